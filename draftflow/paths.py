@@ -1,0 +1,156 @@
+"""Every storage path draftflow reads or writes is built here, and nowhere else.
+
+URLs are fsspec URLs (``/abs/path``, ``file:///…``, ``s3://bucket/prefix``, ``/dev/shm/…``).
+Ids that come from data (sample ids, shard ids, run ids) pass :func:`safe_component`
+before they become part of a path, so a crafted id can never escape its folder.
+
+Layout of a store::
+
+    STORE/NAME-FINGERPRINT/                  DataLayout: one per recipe fingerprint
+        fingerprint.json                     what the fingerprint was computed from
+        prepared/samples.parquet             ids, token ids, loss masks, split
+        prepared/token_counts.parquet        counts over loss-masked tokens
+        prepared/report.json                 counts of kept / dropped / truncated samples
+        shards/SHARD-WRITER.safetensors      immutable shard objects
+        manifest/fragments/SHARD-WRITER.arrow  one immutable fragment per committed shard
+        manifest/compacted/TS.arrow          fragments merged by `store compact`
+        vocab/draft-vocab-SIZE.safetensors   d2t / t2d for one draft vocab size
+
+    RUN_DIR/NAME-FINGERPRINT/RUN_ID/         RunLayout: one training run
+        metrics.jsonl, train.log
+        checkpoints/step-NNNNNNNN/{model,optim,state}… + COMPLETE
+        export/                              the speculators folder vLLM serves
+        eval/report.json, report.md, acceptance.png
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safe_component(value: str) -> str:
+    """Return ``value`` if it is a single safe path component, else raise ValueError."""
+    if not isinstance(value, str) or not _SAFE.match(value) or ".." in value:
+        raise ValueError(f"unsafe path component {value!r}")
+    return value
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URL parts with '/', keeping the scheme (fsspec accepts '/' on every backend)."""
+    out = base.rstrip("/")
+    for part in parts:
+        out += "/" + part.strip("/")
+    return out
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Paths inside one fingerprinted data folder."""
+
+    root: str
+
+    @classmethod
+    def for_recipe(cls, store: str, name: str, fingerprint: str) -> DataLayout:
+        return cls(join(store, f"{safe_component(name)}-{safe_component(fingerprint)}"))
+
+    @property
+    def fingerprint_file(self) -> str:
+        return join(self.root, "fingerprint.json")
+
+    @property
+    def prepared_dir(self) -> str:
+        return join(self.root, "prepared")
+
+    @property
+    def samples(self) -> str:
+        return join(self.prepared_dir, "samples.parquet")
+
+    @property
+    def token_counts(self) -> str:
+        return join(self.prepared_dir, "token_counts.parquet")
+
+    @property
+    def prepare_report(self) -> str:
+        return join(self.prepared_dir, "report.json")
+
+    @property
+    def shards_dir(self) -> str:
+        return join(self.root, "shards")
+
+    def shard(self, shard_id: str, writer: str) -> str:
+        return join(self.shards_dir, f"{safe_component(shard_id)}-{safe_component(writer)}.safetensors")
+
+    @property
+    def fragments_dir(self) -> str:
+        return join(self.root, "manifest", "fragments")
+
+    def fragment(self, shard_id: str, writer: str) -> str:
+        return join(self.fragments_dir, f"{safe_component(shard_id)}-{safe_component(writer)}.arrow")
+
+    @property
+    def compacted_dir(self) -> str:
+        return join(self.root, "manifest", "compacted")
+
+    def compacted(self, stamp: str) -> str:
+        return join(self.compacted_dir, f"{safe_component(stamp)}.arrow")
+
+    def draft_vocab(self, size: int) -> str:
+        return join(self.root, "vocab", f"draft-vocab-{int(size)}.safetensors")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths inside one training run folder."""
+
+    root: str
+
+    @classmethod
+    def for_run(cls, run_dir: str, name: str, fingerprint: str, run_id: str) -> RunLayout:
+        return cls(join(run_dir, f"{safe_component(name)}-{safe_component(fingerprint)}", safe_component(run_id)))
+
+    @property
+    def metrics(self) -> str:
+        return join(self.root, "metrics.jsonl")
+
+    @property
+    def log(self) -> str:
+        return join(self.root, "train.log")
+
+    @property
+    def checkpoints_dir(self) -> str:
+        return join(self.root, "checkpoints")
+
+    def checkpoint(self, step: int) -> str:
+        return join(self.checkpoints_dir, f"step-{int(step):08d}")
+
+    @property
+    def export_dir(self) -> str:
+        return join(self.root, "export")
+
+    @property
+    def eval_dir(self) -> str:
+        return join(self.root, "eval")
+
+    @property
+    def eval_report(self) -> str:
+        return join(self.eval_dir, "report.json")
+
+    @property
+    def eval_summary(self) -> str:
+        return join(self.eval_dir, "report.md")
+
+    @property
+    def eval_chart(self) -> str:
+        return join(self.eval_dir, "acceptance.png")
+
+
+# File names inside a checkpoint or export folder (shared by the trainer, exporter and evaluator).
+CHECKPOINT_COMPLETE = "COMPLETE"
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_RECIPE = "recipe.yaml"
+EXPORT_COMMAND = "train_command.txt"
+MODEL_CARD = "README.md"

@@ -1,0 +1,82 @@
+"""Checks of a recipe against its target model's config, and the resolved layer ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftflow.recipe.load import RecipeError, expand, load_recipe
+from draftflow.recipe.schema import Recipe
+from draftflow.target import TargetInfo, read_target_info
+
+TARGET_CHECKS = (
+    "extraction.layer_ids within the target's layers",
+    "drafter.context_layer_ids within the target's layers",
+    "drafter.draft_vocab_size within the target's vocabulary",
+    "drafter.mask_token_id within the target's vocabulary",
+)
+
+
+@dataclass
+class Validated:
+    """A recipe that passed every check that could run, and the list of those that could not."""
+
+    recipe: Recipe
+    target: TargetInfo | None
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        return resolve_layer_ids(self.recipe, self.target)
+
+
+def resolve_layer_ids(recipe: Recipe, target: TargetInfo | None) -> list[int] | None:
+    if recipe.extraction.layer_ids is not None:
+        return list(recipe.extraction.layer_ids)
+    return target.default_layer_ids() if target else None
+
+
+def resolve_context_layer_ids(recipe: Recipe, target: TargetInfo | None) -> list[int] | None:
+    """Layers the drafter reads: explicit, or every extracted layer except the final one L."""
+    if recipe.drafter.context_layer_ids is not None:
+        return list(recipe.drafter.context_layer_ids)
+    ids = resolve_layer_ids(recipe, target)
+    if ids is None:
+        return None
+    last = target.num_layers if target else None
+    rest = [i for i in ids if i != last]
+    return rest or ids
+
+
+def target_errors(recipe: Recipe, target: TargetInfo) -> list[str]:
+    errors = []
+    n = target.num_layers
+    for name, ids in (
+        ("extraction.layer_ids", recipe.extraction.layer_ids),
+        ("drafter.context_layer_ids", recipe.drafter.context_layer_ids),
+    ):
+        bad = [i for i in ids or () if not 0 <= i <= n]
+        if bad:
+            errors.append(f"{name}: {bad} out of range for a {n}-layer target (valid 0..{n})")
+    vocab = recipe.drafter.draft_vocab_size
+    if vocab is not None and vocab > target.vocab_size:
+        errors.append(
+            f"drafter.draft_vocab_size: {vocab} is larger than the target vocabulary ({target.vocab_size})"
+        )
+    mask = getattr(recipe.drafter, "mask_token_id", None)
+    if mask is not None and mask >= target.vocab_size:
+        errors.append(f"drafter.mask_token_id: {mask} is outside the target vocabulary ({target.vocab_size})")
+    if recipe.training.loss == "target_logits" and n not in (resolve_layer_ids(recipe, target) or ()):
+        errors.append(f"extraction.layer_ids: training.loss=target_logits needs the last layer {n}")
+    return errors
+
+
+def validate(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Validated:
+    """Schema checks, then target checks where the target's config is readable here."""
+    recipe = load_recipe(path, overrides)
+    target = read_target_info(expand(recipe.target.model), recipe.target.revision)
+    if target is None:
+        return Validated(recipe, None, skipped=list(TARGET_CHECKS))
+    errors = target_errors(recipe, target)
+    if errors:
+        raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
+    return Validated(recipe, target)

@@ -1,0 +1,268 @@
+"""The recipe schema: every field a recipe may set, with its default and its meaning.
+
+This module is the only place defaults live. YAML files set what differs from here; code
+reads the validated object and never calls ``.get(key, default)`` on raw dicts.
+
+Checks that need nothing but the recipe run when the object is built (pydantic
+validators). Checks that need the target model's config (layer ids in range, draft vocab
+within the target vocab) live in :mod:`draftflow.recipe.checks`, because that config may
+not be readable (a hub id on an offline machine).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, so a typo never goes unseen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class TargetSection(Section):
+    """The verifier model the drafter is trained for."""
+
+    model: str = Field(
+        description="Local folder or Hugging Face hub id. `${DRAFTFLOW_HOME}` and other "
+        "environment variables are expanded when the recipe is used, not when it is hashed."
+    )
+    revision: str | None = Field(None, description="Hub revision (commit, tag or branch).")
+    chat_template: str | None = Field(
+        None, description="Path to a Jinja chat template that replaces the tokenizer's own."
+    )
+
+
+class DataSource(Section):
+    """One source of conversations."""
+
+    kind: Literal["sharegpt", "messages", "hf_disk", "chitchat", "chatterbot"] = Field(
+        description="sharegpt: JSON/JSONL with `conversations` (from/value); messages: "
+        "JSON/JSONL with OpenAI `messages` (role/content); hf_disk: a `datasets` folder saved "
+        "with save_to_disk; chitchat / chatterbot: the corpora shipped by those pip packages."
+    )
+    path: str | None = Field(None, description="File or folder; required for sharegpt, messages, hf_disk.")
+    max_samples: int | None = Field(None, ge=1, description="Take at most this many conversations.")
+
+    @model_validator(mode="after")
+    def _path_required(self) -> DataSource:
+        if self.kind in ("sharegpt", "messages", "hf_disk") and not self.path:
+            raise ValueError(f"a `{self.kind}` source needs `path`")
+        return self
+
+
+class DataSection(Section):
+    """Which conversations become training and evaluation samples."""
+
+    sources: list[DataSource] = Field(min_length=1)
+    num_samples: int | None = Field(None, ge=1, description="Total cap after mixing sources.")
+    eval_samples: int = Field(16, ge=0, description="Held-out samples for acceptance evaluation.")
+    seed: int = Field(0, description="Shuffle and split seed.")
+    max_length: int = Field(
+        1023, ge=8, description="Tokens per sample; longer samples are truncated and counted."
+    )
+    regenerate_responses: bool = Field(
+        False, description="Regenerate assistant turns with the target through vLLM's chat endpoint."
+    )
+    regenerate_max_tokens: int = Field(256, ge=1)
+    regenerate_concurrency: int = Field(8, ge=1)
+
+
+class ExtractionSection(Section):
+    """How hidden states are extracted and where they are stored."""
+
+    layer_ids: list[int] | None = Field(
+        None,
+        description="Target layer ids to extract (id k = residual stream entering layer k; "
+        "id L = last layer output before the final norm). Default: [2, L//2, L-3, L].",
+    )
+    dtype: Dtype = Field("bfloat16", description="Stored dtype of hidden states.")
+    store: str = Field("./draftflow-store", description="fsspec URL of the shard store.")
+    samples_per_shard: int = Field(64, ge=1)
+    mode: Literal["offline", "online", "hybrid"] = Field(
+        "offline",
+        description="offline: every shard must exist before training; online: generated on "
+        "demand and deleted after use; hybrid: existing shards reused, missing ones generated and kept.",
+    )
+    concurrency: int = Field(4, ge=1, description="Requests in flight per vLLM endpoint.")
+    request_retries: int = Field(3, ge=0)
+    request_timeout_s: float = Field(120.0, gt=0)
+
+
+class VLLMLaunchSection(Section):
+    """How to start a vLLM server when none answers at the endpoint."""
+
+    python: str = Field(
+        "${DRAFTFLOW_HOME}/vllm-venv/bin/python",
+        description="Python interpreter of the virtualenv that has vLLM installed.",
+    )
+    device: Literal["cpu", "cuda"] = "cuda"
+    max_model_len: int = Field(4096, ge=16)
+    staging_dir: str = Field(
+        "/dev/shm/draftflow-hidden-states",
+        description="Where vLLM writes hidden-state files; separate from the store.",
+    )
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
+class VLLMSection(Section):
+    """The vLLM server(s) used for extraction, regeneration and evaluation."""
+
+    endpoints: list[str] = Field(["http://127.0.0.1:8000"], min_length=1)
+    launch: VLLMLaunchSection | None = None
+
+
+class DFlashSection(Section):
+    """DFlash: a block-diffusion drafter that drafts `block_size - 1` tokens per forward pass."""
+
+    kind: Literal["dflash"]
+    block_size: int = Field(8, ge=2)
+    max_anchors: int = Field(512, ge=1, description="Blocks sampled per packed sequence.")
+    num_layers: int = Field(1, ge=1)
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="Reduced output vocabulary; None keeps the target's."
+    )
+    loss_decay_gamma: float | None = Field(
+        None, gt=0, description="w_k = exp(-(k-1)/gamma); default 4 for B<=8, 7 above."
+    )
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Default: the tokenizer's mask or pad token."
+    )
+    context_layer_ids: list[int] | None = Field(
+        None, description="Extracted layers the drafter reads; default: all but the last layer L."
+    )
+
+    @property
+    def speculative_tokens(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def decay_gamma(self) -> float:
+        if self.loss_decay_gamma is not None:
+            return self.loss_decay_gamma
+        return 4.0 if self.block_size <= 8 else 7.0
+
+
+class Eagle3Section(Section):
+    """Eagle3: an autoregressive one-layer drafter trained with training-time test."""
+
+    kind: Literal["eagle3"]
+    ttt_steps: int = Field(3, ge=1, le=16, description="Unrolled steps during training.")
+    ttt_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step k: decay**k.")
+    draft_vocab_size: int | None = Field(32000, ge=1)
+    speculative_tokens: int = Field(3, ge=1, description="Chain length when served.")
+    context_layer_ids: list[int] | None = Field(
+        None, description="Extracted layers the drafter reads; default: all but the last layer L."
+    )
+
+
+Drafter = Annotated[DFlashSection | Eagle3Section, Field(discriminator="kind")]
+
+
+class TrainingSection(Section):
+    """Optimisation and the torchrun launch."""
+
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    pack_length: int = Field(2048, ge=16, description="Tokens per packed training sequence.")
+    batch_size: int = Field(1, ge=1, description="Packed sequences per process per step.")
+    loss: Literal["tokens", "target_logits"] = Field(
+        "tokens", description="Cross-entropy to the data's tokens or to the target's distribution."
+    )
+    nproc: int = Field(1, ge=1, description="Processes per node (torchrun --nproc-per-node).")
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, description="host:port for multi-node rendezvous.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(0, ge=0, description="Steps; 0 = only at each epoch end.")
+    run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
+
+    @model_validator(mode="after")
+    def _multinode_needs_rendezvous(self) -> TrainingSection:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs `rdzv_endpoint`")
+        return self
+
+
+class EvaluationSection(Section):
+    """Acceptance evaluation on held-out prompts."""
+
+    num_prompts: int = Field(8, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    min_acceptance_length: float = Field(
+        1.0, ge=1.0, description="Gate: publishing needs at least this mean acceptance length."
+    )
+    agreement_tolerance: float = Field(
+        0.10, gt=0, lt=1, description="Allowed relative gap between offline and vLLM acceptance."
+    )
+    in_vllm: bool = True
+
+
+class PublishSection(Section):
+    """Where the finished checkpoint goes."""
+
+    destination: str | None = Field(
+        None, description="fsspec URL, or hf://OWNER/REPO for the Hugging Face Hub; None = do not push."
+    )
+
+
+class Recipe(Section):
+    """A whole training recipe."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    target: TargetSection
+    data: DataSection
+    extraction: ExtractionSection = ExtractionSection()
+    vllm: VLLMSection = VLLMSection()
+    drafter: Drafter
+    training: TrainingSection = TrainingSection()
+    evaluation: EvaluationSection = EvaluationSection()
+    publish: PublishSection = PublishSection()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        ids = self.extraction.layer_ids
+        if ids is not None:
+            _check_layer_list(ids, "extraction.layer_ids")
+        ctx = self.drafter.context_layer_ids
+        if ctx is not None:
+            _check_layer_list(ctx, "drafter.context_layer_ids")
+            if ids is not None and not set(ctx) <= set(ids):
+                raise ValueError(
+                    f"drafter.context_layer_ids {ctx} must be a subset of extraction.layer_ids {ids}"
+                )
+        launch = self.vllm.launch
+        if launch is not None and self.data.max_length >= launch.max_model_len:
+            raise ValueError(
+                f"data.max_length ({self.data.max_length}) must be below "
+                f"vllm.launch.max_model_len ({launch.max_model_len}): vLLM needs one token to spare"
+            )
+        if self.data.max_length > self.training.pack_length:
+            raise ValueError(
+                f"data.max_length ({self.data.max_length}) exceeds training.pack_length "
+                f"({self.training.pack_length}): a sample must fit one packed sequence"
+            )
+        return self
+
+
+def _check_layer_list(ids: list[int], field: str) -> None:
+    if not ids:
+        raise ValueError(f"{field} must not be empty")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"{field} {ids} has a negative id")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{field} {ids} has duplicates")
+    if ids != sorted(ids):
+        raise ValueError(f"{field} {ids} must be sorted ascending")

@@ -1,0 +1,193 @@
+"""Start and stop a vLLM server process; the pipeline talks to it only over HTTP.
+
+vLLM is not a dependency of draftflow: it runs from its own virtualenv (``LaunchSpec.python``).
+The server's log is kept in a file next to the run, and the process is stopped by pid
+(SIGTERM to its process group, then SIGKILL) by whoever started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# Our CPU hidden-state connector lives in this package; the server imports it by module path.
+CPU_CONNECTOR_MODULE = "draftflow.vllm.cpu_connector"
+CPU_CONNECTOR_CLASS = "CPUHiddenStatesConnector"
+STOCK_CONNECTOR_CLASS = "ExampleHiddenStatesConnector"
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchSpec:
+    """Everything needed to start one vLLM server."""
+
+    python: str
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int = 1024
+    extract_layer_ids: list[int] | None = None
+    staging_dir: str | None = None
+    speculative_config: dict | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: str | None = None
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def extraction_flags(layer_ids: list[int], staging_dir: str, device: str) -> list[str]:
+    """The two JSON flags that turn on vLLM's native hidden-state extraction."""
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+    kv = {
+        "kv_connector": STOCK_CONNECTOR_CLASS,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": staging_dir},
+    }
+    if device == "cpu":
+        # The stock connector pins memory and polls CUDA events: both crash on CPU hosts.
+        kv["kv_connector"] = CPU_CONNECTOR_CLASS
+        kv["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+
+
+def build_command(spec: LaunchSpec) -> list[str]:
+    cmd = [
+        spec.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--max-model-len", str(spec.max_model_len),
+        "--dtype", spec.dtype,
+    ]
+    if spec.device == "cpu":
+        cmd.append("--enforce-eager")
+    if spec.extract_layer_ids:
+        if spec.speculative_config:
+            raise ValueError("a server either extracts hidden states or runs a drafter, not both")
+        cmd += extraction_flags(spec.extract_layer_ids, spec.staging_dir or "/dev/shm/draftflow-hidden-states", spec.device)
+    elif spec.speculative_config:
+        cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
+    return cmd + list(spec.extra_args)
+
+
+def build_env(spec: LaunchSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
+    if spec.device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The server must import our connector (and plugins) without importing the rest of draftflow.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    if spec.api_key:
+        env["VLLM_API_KEY"] = spec.api_key
+    env.update(spec.env)
+    return env
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """A vLLM server this process started (and therefore may stop)."""
+
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> ServerProcess:
+        log_path = self.spec.log_path or os.devnull
+        if self.spec.log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        if self.spec.staging_dir:
+            Path(self.spec.staging_dir).mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            build_command(self.spec),
+            env=build_env(self.spec),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return self
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.spec.log_path or not Path(self.spec.log_path).exists():
+            return "(no log)"
+        return "\n".join(Path(self.spec.log_path).read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"vLLM exited with code {self.proc.returncode} during start-up; log tail:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"vLLM not healthy after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self._close_log()
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,147 @@
+"""The real test stack: vLLM (CPU build, own virtualenv), SmolLM2, loopback S3, Prefect.
+
+Nothing here is a mock. Fixtures that need the bootstrap (`make test` runs it) fail with
+the command to run when something is missing; they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Prefect reads its settings when first imported: isolate it before any test imports it.
+_PREFECT_TMP = Path(tempfile.mkdtemp(prefix="draftflow-prefect-"))
+os.environ.setdefault("PREFECT_HOME", str(_PREFECT_TMP / "home"))
+os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(_PREFECT_TMP / "storage"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from draftflow.recipe.load import default_home  # noqa: E402
+from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BOOTSTRAP_HINT = "run `make test` (or `make bootstrap`) first"
+
+
+@pytest.fixture(scope="session")
+def draftflow_home() -> Path:
+    return default_home()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(draftflow_home: Path) -> Path:
+    """The real SmolLM2-135M-Instruct target as a safetensors folder (fp32), converted once."""
+    from draftflow.gguf_target import convert, is_converted, smollm2_gguf
+
+    out = draftflow_home / "models" / "SmolLM2-135M-Instruct"
+    if not is_converted(out):
+        convert(smollm2_gguf(), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer: shapes, not quality."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_python(draftflow_home: Path) -> str:
+    python = draftflow_home / "vllm-venv" / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"vLLM virtualenv missing at {python}: {BOOTSTRAP_HINT}")
+    return str(python)
+
+
+class VLLMServers:
+    """Starts real vLLM servers, one at a time (two on a 2-core host hang at start-up).
+
+    Asking again for the same settings returns the running server; asking for different
+    settings stops the running one first.
+    """
+
+    def __init__(self, python: str, log_dir: Path):
+        self.python = python
+        self.log_dir = log_dir
+        self.current: tuple[tuple, ServerProcess] | None = None
+
+    def get(self, model: Path | str, **settings) -> ServerProcess:
+        key = (str(model), repr(sorted(settings.items())))
+        if self.current and self.current[0] == key and self.current[1].proc.poll() is None:
+            return self.current[1]
+        self.stop()
+        port = free_port()
+        spec = LaunchSpec(
+            python=self.python, model=str(model), port=port, device="cpu", dtype="float32",
+            log_path=str(self.log_dir / f"vllm-{port}.log"), **settings,
+        )
+        server = ServerProcess(spec).start()
+        server.wait_healthy(timeout_s=300)
+        self.current = (key, server)
+        return server
+
+    def stop(self) -> None:
+        if self.current:
+            self.current[1].stop()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(vllm_python: str, tmp_path_factory):
+    servers = VLLMServers(vllm_python, tmp_path_factory.mktemp("vllm-logs"))
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 HTTP endpoint (moto server) on loopback with one bucket.
+
+    Yields a dict with `url` (s3://bucket) and `storage_options` for fsspec/s3fs.
+    """
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    storage_options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**storage_options)
+    fs.mkdir("draftflow-test")
+    yield {"url": "s3://draftflow-test", "endpoint": endpoint, "storage_options": storage_options}
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real (temporary, SQLite) Prefect server for tests whose behaviour depends on it."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
