@@ -11,9 +11,10 @@ Layout of a store::
         prepared/samples.parquet             ids, token ids, loss masks, split
         prepared/token_counts.parquet        counts over loss-masked tokens
         prepared/report.json                 counts of kept / dropped / truncated samples
-        shards/SHARD-WRITER.safetensors      immutable shard objects
+        shards/SHARD-WRITER.safetensors      immutable shard objects (SHARD = shard_id(k))
         manifest/fragments/SHARD-WRITER.arrow  one immutable fragment per committed shard
-        manifest/compacted/TS.arrow          fragments merged by `store compact`
+        manifest/compacted/STAMP.arrow       fragments merged by `store compact`
+        …/.NAME.TOKEN.tmp                    a local write in progress (renamed when done)
         vocab/draft-vocab-SIZE.safetensors   d2t / t2d for one draft vocab size
 
     RUN_DIR/NAME-FINGERPRINT/RUN_ID/         RunLayout: one training run
@@ -28,6 +29,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+_SHARDS = "shards"
+SHARD_SUFFIX = ".safetensors"
+ARROW_SUFFIX = ".arrow"
+TEMP_SUFFIX = ".tmp"
+
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -36,6 +42,24 @@ def safe_component(value: str) -> str:
     if not isinstance(value, str) or not _SAFE.match(value) or ".." in value:
         raise ValueError(f"unsafe path component {value!r}")
     return value
+
+
+def shard_id(index: int) -> str:
+    """Shard id of the k-th block of the prepared sample list; zero-padded so names sort by k."""
+    if index < 0:
+        raise ValueError(f"shard index must be >= 0, got {index}")
+    return f"{int(index):06d}"
+
+
+def temp_sibling(url: str, token: str) -> str:
+    """Where a local write of ``url`` goes before its rename: same folder (so the rename is
+    atomic), hidden name with a suffix no listing of final objects ever matches."""
+    folder, _, name = url.rstrip("/").rpartition("/")
+    return join(folder, f".{name}.{safe_component(token)}{TEMP_SUFFIX}")
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
 def join(base: str, *parts: str) -> str:
@@ -78,24 +102,35 @@ class DataLayout:
 
     @property
     def shards_dir(self) -> str:
-        return join(self.root, "shards")
+        return join(self.root, _SHARDS)
+
+    def shard_key(self, shard_id: str, writer: str) -> str:
+        """A shard's path relative to this folder, as the manifest stores it (a copied folder stays valid)."""
+        return f"{_SHARDS}/{safe_component(shard_id)}-{safe_component(writer)}{SHARD_SUFFIX}"
 
     def shard(self, shard_id: str, writer: str) -> str:
-        return join(self.shards_dir, f"{safe_component(shard_id)}-{safe_component(writer)}.safetensors")
+        return join(self.root, self.shard_key(shard_id, writer))
+
+    def resolve_shard_key(self, key: str) -> str:
+        """URL of a manifest's relative shard path; rejects anything outside ``shards/``."""
+        folder, _, name = key.partition("/")
+        if folder != _SHARDS or not name.endswith(SHARD_SUFFIX):
+            raise ValueError(f"not a shard key: {key!r}")
+        return join(self.shards_dir, safe_component(name))
 
     @property
     def fragments_dir(self) -> str:
         return join(self.root, "manifest", "fragments")
 
     def fragment(self, shard_id: str, writer: str) -> str:
-        return join(self.fragments_dir, f"{safe_component(shard_id)}-{safe_component(writer)}.arrow")
+        return join(self.fragments_dir, f"{safe_component(shard_id)}-{safe_component(writer)}{ARROW_SUFFIX}")
 
     @property
     def compacted_dir(self) -> str:
         return join(self.root, "manifest", "compacted")
 
     def compacted(self, stamp: str) -> str:
-        return join(self.compacted_dir, f"{safe_component(stamp)}.arrow")
+        return join(self.compacted_dir, f"{safe_component(stamp)}{ARROW_SUFFIX}")
 
     def draft_vocab(self, size: int) -> str:
         return join(self.root, "vocab", f"draft-vocab-{int(size)}.safetensors")

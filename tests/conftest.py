@@ -130,10 +130,12 @@ def s3(tmp_path_factory):
         "secret": "testing",
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
-    import s3fs
+    import boto3
 
-    fs = s3fs.S3FileSystem(**storage_options)
-    fs.mkdir("draftflow-test")
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1",
+        aws_access_key_id="testing", aws_secret_access_key="testing",
+    ).create_bucket(Bucket="draftflow-test")
     yield {"url": "s3://draftflow-test", "endpoint": endpoint, "storage_options": storage_options}
     server.stop()
 

@@ -1,0 +1,20 @@
+# The two commands: `make demo` and `make test`. Both bootstrap first (idempotent, seconds
+# when everything is already there).
+SHELL := /bin/bash
+PYTEST_ARGS ?=
+DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu.yaml
+
+.PHONY: bootstrap demo test test-fast bench
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+# Embedded (ephemeral) Prefect: no server to run first; offline hosts skip analytics.
+demo: bootstrap
+	PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/draftflow demo $(DEMO_RECIPE)
+
+test: bootstrap
+	.venv/bin/python -m pytest $(PYTEST_ARGS)
+
+test-fast: bootstrap
+	.venv/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)

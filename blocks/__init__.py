@@ -1,0 +1,1 @@
+"""Prefect blocks: infrastructure settings (servers, stores, destinations) with secrets as SecretStr."""

@@ -1,0 +1,7 @@
+"""Training conversations: read sources, apply the target's chat template, write the prepared set.
+
+- :mod:`draftflow.data.sources`: readers for every recipe source kind, normalised to
+  ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
+- :mod:`draftflow.data.chat`: the target's chat template → token ids + assistant loss mask.
+- :mod:`draftflow.data.prepare`: mixing, split, optional response regeneration, Parquet output.
+"""

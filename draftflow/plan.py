@@ -1,0 +1,64 @@
+"""A recipe resolved for running: target read, layer ids and fingerprint fixed, paths built.
+
+Every stage (prepare, extract, train, evaluate, publish) starts from a :class:`Plan`
+rebuilt from the recipe file and its overrides — small references that pass between
+Prefect tasks and torchrun processes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftflow.paths import DataLayout
+from draftflow.recipe.catalog import resolve
+from draftflow.recipe.checks import resolve_context_layer_ids, validate
+from draftflow.recipe.fingerprint import fingerprint
+from draftflow.recipe.load import RecipeError, expand
+from draftflow.recipe.schema import Recipe
+from draftflow.target import TargetInfo
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe_path: str
+    overrides: tuple[str, ...]
+    recipe: Recipe
+    target: TargetInfo
+    target_model: str  # expanded path or hub id, as vLLM and transformers load it
+    layer_ids: tuple[int, ...]
+    context_layer_ids: tuple[int, ...]
+    fingerprint: str
+    data: DataLayout
+
+    @classmethod
+    def load(cls, recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Plan:
+        path = str(resolve(recipe))
+        checked = validate(path, overrides)
+        if checked.target is None:
+            raise RecipeError(
+                f"{path}: target.model: config of {checked.recipe.target.model!r} is not readable here; "
+                "download the model (or point at a local folder) before running"
+            )
+        r = checked.recipe
+        layer_ids = tuple(checked.layer_ids)
+        fp = fingerprint(r, list(layer_ids))
+        return cls(
+            recipe_path=path,
+            overrides=tuple(overrides),
+            recipe=r,
+            target=checked.target,
+            target_model=expand(r.target.model),
+            layer_ids=layer_ids,
+            context_layer_ids=tuple(resolve_context_layer_ids(r, checked.target)),
+            fingerprint=fp,
+            data=DataLayout.for_recipe(expand(r.extraction.store), r.name, fp),
+        )
+
+    def describe(self) -> str:
+        r = self.recipe
+        return (
+            f"recipe {r.name} ({self.recipe_path}); target {r.target.model} "
+            f"({self.target.num_layers} layers, hidden {self.target.hidden_size}); "
+            f"extract layers {list(self.layer_ids)} as {r.extraction.dtype}; "
+            f"drafter {r.drafter.kind}; data folder {self.data.root}"
+        )

@@ -1,0 +1,410 @@
+"""Async HTTP client for vLLM servers: hidden-state extraction and response regeneration.
+
+The pipeline never imports vLLM; it sends token ids to ``/v1/completions`` on a server
+started with ``extract_hidden_states`` and reads the safetensors file the server writes
+(the file lives on the server's filesystem, so client and server must share it).
+
+The file protocol (vLLM 0.22+): the response names the file *before* the write finishes;
+the server holds an exclusive ``flock`` on ``<path>.lock`` until it is complete. We take a
+shared lock before reading, then remove both files ourselves (vLLM never does). Anything
+that does not match the prompt exactly is a corrupt sample, never training data: it raises
+:class:`InvalidHiddenStates` with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import httpx
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+
+RETRYABLE_STATUS_MIN = 500  # 5xx: the server (or a proxy) failed; 4xx: our request is wrong
+
+
+class VLLMError(RuntimeError):
+    """Base of every error talking to a vLLM server."""
+
+
+class EndpointUnavailable(VLLMError):
+    """No connection to the endpoint (after retries)."""
+
+
+class RequestFailed(VLLMError):
+    """The server answered with an HTTP error status (4xx at once, 5xx after retries)."""
+
+    def __init__(self, endpoint: str, status: int, message: str):
+        super().__init__(f"{endpoint}: HTTP {status}: {message}")
+        self.endpoint, self.status, self.message = endpoint, status, message
+
+
+class ExtractionNotEnabled(VLLMError):
+    """The server answered but wrote no hidden states: it runs without extraction flags."""
+
+
+class InvalidHiddenStates(VLLMError):
+    """A hidden-states file (or the response naming it) failed validation; `reason` says why."""
+
+    def __init__(self, reason: str, path: str | None = None):
+        super().__init__(f"{reason} ({path})" if path else reason)
+        self.reason, self.path = reason, path
+
+
+@dataclass
+class ExtractedSample:
+    """Hidden states of one prompt, in memory: the caller decides where they are stored."""
+
+    token_ids: torch.Tensor  # int64 [num_tokens]
+    hidden_states: torch.Tensor  # [num_tokens, num_layers, hidden_size], the server's dtype
+    endpoint: str
+    request_id: str
+
+
+# ---------------------------------------------------------------------------------------
+# Pure helpers, shared with the synchronous probe in draftflow.vllm.server
+# ---------------------------------------------------------------------------------------
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def completion_payload(model: str, token_ids: Sequence[int]) -> dict:
+    """One prompt as token ids (so the tokenization is ours), one generated token."""
+    return {"model": model, "prompt": list(token_ids), "max_tokens": 1, "return_token_ids": True}
+
+
+def error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        return str(body.get("error", {}).get("message") or body)
+    except ValueError:
+        return response.text[:500]
+
+
+def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int]) -> str:
+    """The file named by a completion response, after checking the server saw our prompt."""
+    params = body.get("kv_transfer_params") or {}
+    path = params.get("hidden_states_path")
+    if not path:
+        raise ExtractionNotEnabled(
+            f"{endpoint} answered without `kv_transfer_params.hidden_states_path`: hidden-state "
+            "extraction is not enabled on this server (start it with --speculative-config "
+            "method=extract_hidden_states and --kv-transfer-config for the hidden-states connector)"
+        )
+    choices = body.get("choices") or [{}]
+    echoed = choices[0].get("prompt_token_ids")
+    if echoed is not None and list(echoed) != list(prompt):
+        remove_hidden_states(path)
+        raise InvalidHiddenStates(
+            f"server echoed {len(echoed)} prompt tokens that differ from the {len(prompt)} sent", path
+        )
+    return path
+
+
+def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> int:
+    """Open `lock_path` and flock it; returns the fd (closing it releases the lock).
+
+    Polls with LOCK_NB rather than blocking so a writer that never finishes cannot hang us.
+    """
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise InvalidHiddenStates(
+            "lock file missing: the server's staging dir is not visible here (client and server "
+            "must share it) or the server runs without use_synchronization_lock", lock_path
+        ) from None
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        try:
+            fcntl.flock(fd, mode)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise InvalidHiddenStates(f"writer still holds the lock after {timeout_s:.0f}s", lock_path) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+def remove_hidden_states(path: str) -> None:
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def validate_hidden_states(
+    tensors: dict[str, torch.Tensor],
+    prompt: Sequence[int],
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    path: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check one file's tensors against the prompt sent; returns (token_ids, hidden_states)."""
+    missing = {"hidden_states", "token_ids"} - tensors.keys()
+    if missing:
+        raise InvalidHiddenStates(f"file lacks tensor(s) {sorted(missing)}", path)
+    token_ids, hidden = tensors["token_ids"], tensors["hidden_states"]
+    if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+        raise InvalidHiddenStates(f"token_ids has shape {tuple(token_ids.shape)} / dtype {token_ids.dtype}", path)
+    if token_ids.tolist() != list(prompt):
+        first = next((i for i, (a, b) in enumerate(zip(token_ids.tolist(), prompt)) if a != b), None)
+        where = f"first difference at position {first}" if first is not None else "lengths differ"
+        raise InvalidHiddenStates(
+            f"token_ids in file ({token_ids.numel()} tokens) != prompt ({len(prompt)} tokens), {where}", path
+        )
+    if hidden.dim() != 3:
+        raise InvalidHiddenStates(f"hidden_states has shape {tuple(hidden.shape)}, expected 3 dims", path)
+    if hidden.shape[0] != len(prompt):
+        raise InvalidHiddenStates(f"hidden_states covers {hidden.shape[0]} tokens, prompt has {len(prompt)}", path)
+    if num_layers is not None and hidden.shape[1] != num_layers:
+        raise InvalidHiddenStates(f"hidden_states has {hidden.shape[1]} layers, expected {num_layers}", path)
+    if hidden_size is not None and hidden.shape[2] != hidden_size:
+        raise InvalidHiddenStates(f"hidden size is {hidden.shape[2]}, expected {hidden_size}", path)
+    if not hidden.dtype.is_floating_point:
+        raise InvalidHiddenStates(f"hidden_states dtype is {hidden.dtype}", path)
+    if not bool(torch.isfinite(hidden).all()):
+        bad = int((~torch.isfinite(hidden)).sum())
+        raise InvalidHiddenStates(f"hidden_states has {bad} non-finite values", path)
+    return token_ids.to(torch.int64), hidden
+
+
+def read_hidden_states(
+    path: str,
+    prompt: Sequence[int],
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    lock_timeout_s: float = 60.0,
+    exclusive: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lock, read (safetensors, never pickle), validate, and always delete file and lock."""
+    try:
+        fd = wait_for_lock(path + ".lock", lock_timeout_s, exclusive)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()  # fully in memory: the file is deleted right after
+        except FileNotFoundError:
+            raise InvalidHiddenStates("lock released but the hidden-states file is missing", path) from None
+        finally:
+            os.close(fd)
+        try:
+            tensors = load_safetensors_bytes(data)
+        except (SafetensorError, ValueError, RuntimeError) as err:
+            raise InvalidHiddenStates(f"unreadable safetensors file: {err}", path) from None
+        return validate_hidden_states(tensors, prompt, num_layers, hidden_size, path)
+    finally:
+        remove_hidden_states(path)
+
+
+# ---------------------------------------------------------------------------------------
+# The async client
+# ---------------------------------------------------------------------------------------
+
+class VLLMClient:
+    """Talks to one or more vLLM endpoints; use as ``async with VLLMClient(...) as c:``.
+
+    `concurrency` bounds requests in flight *per endpoint*. Connection errors and 5xx are
+    retried `retries` times with exponential backoff; 4xx never are (the request is wrong).
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        api_key: str | None = None,
+        concurrency: int = 4,
+        retries: int = 3,
+        timeout_s: float = 120.0,
+        backoff_s: float = 0.5,
+        num_layers: int | None = None,
+        hidden_size: int | None = None,
+        lock_timeout_s: float = 60.0,
+        exclusive_lock: bool = False,
+    ):
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.endpoints:
+            raise ValueError("at least one endpoint is needed")
+        self.endpoints = [e.rstrip("/") for e in self.endpoints]
+        self.api_key = api_key
+        self.retries, self.backoff_s = retries, backoff_s
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+        self.lock_timeout_s, self.exclusive_lock = lock_timeout_s, exclusive_lock
+        self.concurrency = concurrency
+        self._limits = {e: asyncio.Semaphore(concurrency) for e in self.endpoints}
+        self._model_names: dict[str, str] = {}
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(max_connections=concurrency * len(self.endpoints) + 4),
+            headers=auth_headers(api_key),
+        )
+
+    async def __aenter__(self) -> VLLMClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _endpoint(self, endpoint: str | None) -> str:
+        return (endpoint or self.endpoints[0]).rstrip("/")
+
+    async def _request(self, method: str, endpoint: str, path: str, **kwargs) -> httpx.Response:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                # Exponential backoff with jitter so retries from many workers do not align.
+                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0) * (0.5 + random.random()))
+            try:
+                response = await self._http.request(method, endpoint + path, **kwargs)
+            except httpx.TransportError as err:
+                last = EndpointUnavailable(f"{endpoint}{path}: {type(err).__name__}: {err}")
+                continue
+            if response.status_code >= RETRYABLE_STATUS_MIN:
+                last = RequestFailed(endpoint, response.status_code, error_message(response))
+                continue
+            if response.status_code >= 400:
+                raise RequestFailed(endpoint, response.status_code, error_message(response))
+            return response
+        assert last is not None
+        raise last
+
+    # -- server information ----------------------------------------------------------
+
+    async def health(self, endpoint: str | None = None) -> bool:
+        """True when `/health` answers 200 (no retries: a health probe must be quick)."""
+        try:
+            response = await self._http.get(self._endpoint(endpoint) + "/health", timeout=5.0)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def models(self, endpoint: str | None = None) -> list[str]:
+        response = await self._request("GET", self._endpoint(endpoint), "/v1/models")
+        return [m["id"] for m in response.json().get("data", [])]
+
+    async def version(self, endpoint: str | None = None) -> str:
+        response = await self._request("GET", self._endpoint(endpoint), "/version")
+        return str(response.json().get("version", ""))
+
+    async def model_name(self, endpoint: str | None = None) -> str:
+        """The served model id to put in requests (cached per endpoint)."""
+        ep = self._endpoint(endpoint)
+        if ep not in self._model_names:
+            names = await self.models(ep)
+            if not names:
+                raise VLLMError(f"{ep}/v1/models lists no model")
+            self._model_names[ep] = names[0]
+        return self._model_names[ep]
+
+    # -- extraction ------------------------------------------------------------------
+
+    async def extract(
+        self, token_ids: Sequence[int], *, request_id: str | None = None, endpoint: str | None = None
+    ) -> ExtractedSample:
+        """Hidden states of one prompt (validated, files removed)."""
+        ep = self._endpoint(endpoint)
+        prompt = [int(t) for t in token_ids]
+        request_id = request_id or uuid.uuid4().hex
+        model = await self.model_name(ep)
+        async with self._limits[ep]:
+            response = await self._request(
+                "POST", ep, "/v1/completions",
+                json=completion_payload(model, prompt), headers={"X-Request-Id": request_id},
+            )
+            path = hidden_states_path(response.json(), ep, prompt)
+            # Lock waits and file reads block: keep them off the event loop.
+            tokens, hidden = await asyncio.to_thread(
+                read_hidden_states, path, prompt, self.num_layers, self.hidden_size,
+                self.lock_timeout_s, self.exclusive_lock,
+            )
+        return ExtractedSample(tokens, hidden, ep, request_id)
+
+    async def extract_many(
+        self, samples: Iterable[tuple[str, Sequence[int]]], *, return_exceptions: bool = True
+    ) -> list[ExtractedSample | VLLMError]:
+        """Data-parallel extraction of (sample_id, token_ids) pairs over every endpoint.
+
+        Each endpoint runs `concurrency` workers that pull from one shared queue, so faster
+        endpoints take more samples. Results come back in input order; with
+        `return_exceptions`, a failed sample's slot holds its error (and the rest continue),
+        otherwise the first failure cancels the others and is raised.
+        """
+        items = list(samples)
+        results: list[ExtractedSample | VLLMError | None] = [None] * len(items)
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(items)):
+            queue.put_nowait(i)
+
+        async def worker(ep: str) -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                sample_id, tokens = items[i]
+                try:
+                    results[i] = await self.extract(tokens, request_id=str(sample_id), endpoint=ep)
+                except VLLMError as err:
+                    if not return_exceptions:
+                        raise
+                    results[i] = err
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for ep in self.endpoints:
+                    for _ in range(self.concurrency):
+                        group.create_task(worker(ep))
+        except* VLLMError as group_error:
+            raise group_error.exceptions[0] from None
+        return results  # type: ignore[return-value]
+
+    # -- regeneration ----------------------------------------------------------------
+
+    async def chat(
+        self,
+        messages: list[dict],
+        max_tokens: int,
+        temperature: float = 0.0,
+        *,
+        endpoint: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """The assistant reply to `messages` (response regeneration)."""
+        ep = self._endpoint(endpoint)
+        model = await self.model_name(ep)
+        payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        async with self._limits[ep]:
+            response = await self._request(
+                "POST", ep, "/v1/chat/completions", json=payload,
+                headers={"X-Request-Id": request_id or uuid.uuid4().hex},
+            )
+        body = response.json()
+        # An extraction server writes a file for chat requests too; nobody else would delete it.
+        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path:
+            await asyncio.to_thread(_discard_hidden_states, path, self.lock_timeout_s)
+        return body["choices"][0]["message"].get("content") or ""
+
+
+def _discard_hidden_states(path: str, lock_timeout_s: float) -> None:
+    """Wait for the writer (so it cannot recreate the file after us), then delete."""
+    try:
+        os.close(wait_for_lock(path + ".lock", lock_timeout_s))
+    except InvalidHiddenStates:
+        pass  # not visible here or never released: delete what we can
+    remove_hidden_states(path)

@@ -1,0 +1,310 @@
+"""Make sure the vLLM endpoint(s) a pipeline needs are up, serve the right target, and extract
+the right layers — starting a server only when none answers and launch settings exist.
+
+A server that answers is *checked*, never trusted: it must serve the expected model and a
+probe extraction must return a file with the expected layer count, hidden size and token ids.
+A server this module starts is stopped by the returned handle; one it did not start never is.
+
+Layer *ids* (as opposed to their count) are not visible over plain HTTP: the file carries no
+metadata. They are compared when the server exposes ``/server_info`` (vLLM dev mode) and are
+known by construction for servers started here; otherwise only count and size are checked,
+and the handle's ``unverified`` list says so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from draftflow.recipe.load import default_home, expand
+from draftflow.vllm.client import (
+    ExtractionNotEnabled,
+    VLLMClient,
+    VLLMError,
+    auth_headers,
+    completion_payload,
+    error_message,
+    hidden_states_path,
+    read_hidden_states,
+)
+from draftflow.vllm.launch import LaunchSpec, ServerProcess
+
+log = logging.getLogger(__name__)
+
+# Any ids will do for the probe: every vocabulary has them, and only shapes are checked.
+DEFAULT_PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8)
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+
+
+class ServerCheckError(VLLMError):
+    """An endpoint cannot be used as asked; the message says exactly what differs."""
+
+
+class EndpointDown(ServerCheckError):
+    """Nothing healthy answers and there are no launch settings to start a server."""
+
+
+class WrongModel(ServerCheckError):
+    """The endpoint serves another model than the recipe's target."""
+
+
+class WrongLayers(ServerCheckError):
+    """The endpoint extracts other layers (count, ids or hidden size) than the recipe asks for."""
+
+
+@dataclass
+class ServerHandle:
+    """The checked endpoints; stops (only) the servers `ensure_running` started. A context manager."""
+
+    endpoints: list[str]
+    api_key: str | None = None
+    started: list[ServerProcess] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)  # checks that could not be made, per endpoint
+
+    @property
+    def log_paths(self) -> list[str]:
+        return [p.spec.log_path for p in self.started if p.spec.log_path]
+
+    def client(self, **kwargs: Any) -> VLLMClient:
+        return VLLMClient(self.endpoints, api_key=self.api_key, **kwargs)
+
+    def stop(self) -> None:
+        for proc in self.started:
+            proc.stop()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ensure_running(
+    endpoints: str | Sequence[str],
+    *,
+    model: str,
+    layer_ids: Sequence[int],
+    hidden_size: int,
+    api_key: str | None = None,
+    launch: Any | None = None,
+    dtype: str = "auto",
+    log_dir: str | Path | None = None,
+    probe_token_ids: Sequence[int] = DEFAULT_PROBE_TOKENS,
+    health_timeout_s: float = 3.0,
+) -> ServerHandle:
+    """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
+
+    `launch` has the shape of the recipe's ``vllm.launch`` section (the pydantic object or a
+    mapping with python, device, max_model_len, staging_dir, extra_args, env,
+    startup_timeout_s). `model` is the recipe's target, as the server would be started with it.
+    """
+    urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    urls = [u.rstrip("/") for u in urls]
+    model = expand(model)
+    handle = ServerHandle(endpoints=urls, api_key=api_key)
+    atexit.register(handle.stop)  # a crashed pipeline must not leave our servers running
+    try:
+        for url in urls:
+            if is_healthy(url, health_timeout_s):
+                # Layer ids of a server we did not start can only be read in vLLM dev mode.
+                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids,
+                               handle.unverified, health_timeout_s, verify_ids=True)
+                continue
+            if launch is None:
+                raise EndpointDown(
+                    f"no healthy vLLM server at {url} (GET /health failed) and the recipe has no "
+                    "`vllm.launch` section to start one: start the server or add launch settings"
+                )
+            proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
+            handle.started.append(proc)
+            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids,
+                           handle.unverified, health_timeout_s, verify_ids=False)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+# ---------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------
+
+def is_healthy(url: str, timeout_s: float = 3.0) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def check_endpoint(
+    url: str,
+    model: str,
+    layer_ids: Sequence[int],
+    hidden_size: int,
+    api_key: str | None,
+    probe_token_ids: Sequence[int],
+    unverified: list[str],
+    timeout_s: float,
+    verify_ids: bool,
+) -> None:
+    headers = auth_headers(api_key)
+    with httpx.Client(base_url=url, headers=headers, timeout=max(timeout_s, 60.0)) as http:
+        served = _get_json(http, url, "/v1/models").get("data", [])
+        served_id = check_model(url, model, served)
+        check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids)
+        if verify_ids:
+            served_ids = read_served_layer_ids(http)
+            if served_ids is None:
+                unverified.append(
+                    f"{url}: layer ids not exposed over HTTP (no /server_info); "
+                    f"count ({len(layer_ids)}) and hidden size ({hidden_size}) match"
+                )
+                log.warning(unverified[-1])
+            elif list(served_ids) != list(layer_ids):
+                raise WrongLayers(
+                    f"{url} extracts layer ids {list(served_ids)}, but the recipe expects {list(layer_ids)}"
+                )
+
+
+def _get_json(http: httpx.Client, url: str, path: str) -> dict:
+    response = http.get(path)
+    if response.status_code in (401, 403):
+        raise ServerCheckError(f"{url}{path}: HTTP {response.status_code}: the API key was rejected or is missing")
+    if response.status_code >= 400:
+        raise ServerCheckError(f"{url}{path}: HTTP {response.status_code}: {error_message(response)}")
+    return response.json()
+
+
+def same_model(expected: str, served: str) -> bool:
+    """Equal ids, or the same local folder spelt differently (trailing '/', symlinks)."""
+    def norm(name: str) -> str:
+        path = Path(name).expanduser()
+        return str(path.resolve()) if path.exists() else name.rstrip("/")
+    return expected == served or norm(expected) == norm(served)
+
+
+def check_model(url: str, expected: str, served: list[dict]) -> str:
+    """The served model id that is the expected target; WrongModel naming both otherwise."""
+    for entry in served:
+        # `root` is the model vLLM loaded; `id` may be a --served-model-name alias.
+        if any(same_model(expected, entry.get(k) or "") for k in ("id", "root")):
+            return entry["id"]
+    names = ", ".join(repr(e.get("root") or e.get("id")) for e in served) or "no model"
+    raise WrongModel(f"{url} serves {names}, but the recipe's target model is {expected!r}")
+
+
+def check_extraction(
+    http: httpx.Client,
+    url: str,
+    served_id: str,
+    layer_ids: Sequence[int],
+    hidden_size: int,
+    probe_token_ids: Sequence[int],
+) -> None:
+    """One real extraction: the file must have the expected layers, size and tokens."""
+    prompt = [int(t) for t in probe_token_ids]
+    response = http.post(
+        "/v1/completions", json=completion_payload(served_id, prompt),
+        headers={"X-Request-Id": f"draftflow-probe-{time.time_ns()}"},
+    )
+    if response.status_code >= 400:
+        raise ServerCheckError(f"{url}: probe extraction failed: HTTP {response.status_code}: {error_message(response)}")
+    try:
+        path = hidden_states_path(response.json(), url, prompt)
+    except ExtractionNotEnabled as err:
+        raise ExtractionNotEnabled(f"{url} serves {served_id!r} but hidden-state extraction is not enabled: {err}") from None
+    _, hidden = read_hidden_states(path, prompt)  # validates token ids, finiteness; deletes files
+    if hidden.shape[1] != len(layer_ids):
+        raise WrongLayers(
+            f"{url} extracts {hidden.shape[1]} layers per token, but the recipe expects "
+            f"{len(layer_ids)} (layer ids {list(layer_ids)})"
+        )
+    if hidden.shape[2] != hidden_size:
+        raise WrongLayers(f"{url} returns hidden size {hidden.shape[2]}, but the target's hidden size is {hidden_size}")
+
+
+_IDS_IN_TEXT = re.compile(r"eagle_aux_hidden_state_layer_ids['\"]?\s*[:=]\s*\[([0-9,\s]*)\]")
+
+
+def read_served_layer_ids(http: httpx.Client) -> list[int] | None:
+    """The server's extraction layer ids from `/server_info` (dev mode only), else None."""
+    try:
+        response = http.get("/server_info", params={"config_format": "json"}, timeout=30.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    # The draft hf_config is dumped as a string (no JSON schema for it): search the text.
+    match = _IDS_IN_TEXT.search(json.dumps(response.json()).replace('\\"', '"'))
+    if not match:
+        return None
+    return [int(x) for x in match.group(1).split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------------------------
+# Launching
+# ---------------------------------------------------------------------------------------
+
+def _launch_value(launch: Any, key: str, default: Any = None) -> Any:
+    if isinstance(launch, Mapping):
+        return launch.get(key, default)
+    return getattr(launch, key, default)
+
+
+def start_server(
+    url: str,
+    model: str,
+    layer_ids: Sequence[int],
+    api_key: str | None,
+    launch: Any,
+    dtype: str,
+    log_dir: str | Path | None,
+) -> ServerProcess:
+    """Start vLLM with the extraction flags at `url`'s port and wait for /health."""
+    parts = urlsplit(url)
+    if parts.hostname not in LOCAL_HOSTS | {socket.gethostname()}:
+        raise EndpointDown(f"no healthy vLLM server at {url}, and a server can only be launched on this host")
+    if parts.port is None:
+        raise EndpointDown(f"{url}: give an explicit port to launch a server there")
+    python = _launch_value(launch, "python")
+    if not python:
+        raise ServerCheckError("vllm.launch.python is not set: which virtualenv has vLLM?")
+    log_root = Path(log_dir) if log_dir else default_home() / "logs"
+    log_path = log_root / f"vllm-{parts.port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    spec = LaunchSpec(
+        python=expand(python),
+        model=model,
+        host=parts.hostname,
+        port=parts.port,
+        device=_launch_value(launch, "device", "cuda"),
+        dtype=dtype,
+        max_model_len=int(_launch_value(launch, "max_model_len", 4096)),
+        extract_layer_ids=list(layer_ids),
+        staging_dir=expand(_launch_value(launch, "staging_dir", "/dev/shm/draftflow-hidden-states")),
+        extra_args=list(_launch_value(launch, "extra_args", None) or []),
+        env=dict(_launch_value(launch, "env", None) or {}),
+        log_path=str(log_path),
+        api_key=api_key,
+    )
+    if not Path(spec.python).exists():
+        raise ServerCheckError(f"vllm.launch.python {spec.python} does not exist")
+    log.info("starting vLLM for %s at %s (log: %s)", model, url, log_path)
+    proc = ServerProcess(spec).start()
+    try:
+        proc.wait_healthy(float(_launch_value(launch, "startup_timeout_s", 600.0)))
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

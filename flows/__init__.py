@@ -1,0 +1,1 @@
+"""Prefect flows: wiring only. Each flow calls tasks from `tasks/`, which call the core."""

@@ -1,0 +1,1 @@
+"""Prefect tasks: thin `@task` wrappers over the draftflow core. They pass URIs and ids, never tensors."""

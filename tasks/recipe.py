@@ -1,0 +1,15 @@
+"""Task: resolve and validate a recipe before anything starts."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from draftflow.plan import Plan
+
+
+@task(name="resolve-recipe")
+def resolve_plan(recipe: str, overrides: list[str]) -> dict:
+    """Fail fast on a bad recipe (before any server starts); return small references only."""
+    plan = Plan.load(recipe, overrides)
+    return {"name": plan.recipe.name, "fingerprint": plan.fingerprint,
+            "data_root": plan.data.root, "description": plan.describe()}
