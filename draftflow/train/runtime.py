@@ -1,0 +1,72 @@
+"""Process-level set-up for training: ranks, device, backend, precision — one code path.
+
+CPU: gloo, fp32. GPU: NCCL, bf16 autocast. The device is chosen once at start
+(`training.device`: auto | cpu | cuda); nothing else in the trainer branches on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("training.device=cuda but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(preference: str = "auto") -> Runtime:
+    """Read torchrun's environment (or run as a single process) and join the process group."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(preference, local_rank)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    if device.type == "cpu" and world > 1:
+        # Ranks share the host's cores; oversubscription makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return Runtime(rank, world, local_rank, device)
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()

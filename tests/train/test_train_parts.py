@@ -1,0 +1,123 @@
+"""Packing, schedules, checkpoints and metrics of the trainer (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from draftflow.paths import CHECKPOINT_COMPLETE, RunLayout, join
+from draftflow.train import checkpointing
+from draftflow.train.metrics import MetricsLog, parse_line
+from draftflow.train.packing import Item, epoch_order, global_steps, pack, rank_share
+from draftflow.train.schedule import lr_factor
+
+
+def _items(n: int, seed: int = 0) -> list[Item]:
+    rng = random.Random(seed)
+    return [Item(f"s{i}", rng.randint(5, 60)) for i in range(n)]
+
+
+def test_packing_respects_length_and_keeps_every_sample_once():
+    items = _items(200)
+    packs = pack(items, 128)
+    assert all(sum(i.num_tokens for i in p) <= 128 for p in packs)
+    assert [i for p in packs for i in p] == items
+
+
+def test_packing_rejects_a_sample_longer_than_a_pack():
+    with pytest.raises(ValueError, match="pack_length"):
+        pack([Item("long", 300)], 128)
+
+
+def test_epoch_order_is_seeded_and_differs_between_epochs():
+    items = _items(50)
+    assert epoch_order(items, 1, 0) == epoch_order(items, 1, 0)
+    assert epoch_order(items, 1, 0) != epoch_order(items, 1, 1)
+    assert sorted(epoch_order(items, 1, 3), key=lambda i: i.sample_id) == sorted(items, key=lambda i: i.sample_id)
+
+
+def test_two_ranks_share_a_global_step_exactly_like_one_process_with_the_same_global_batch():
+    packs = pack(_items(300), 100)
+    one = global_steps(packs, batch_size=4, world_size=1)
+    two = global_steps(packs, batch_size=2, world_size=2)
+    assert one == two
+    for step in two:
+        union = rank_share(step, 0, 2) + rank_share(step, 1, 2)
+        assert sorted(map(id, union)) == sorted(map(id, step))
+
+
+def test_schedule_shapes():
+    total = 100
+    assert lr_factor(0, total, 0.1, "cosine") == pytest.approx(0.1)
+    assert lr_factor(9, total, 0.1, "cosine") == pytest.approx(1.0)
+    assert lr_factor(99, total, 0.1, "cosine") < 0.01
+    assert lr_factor(55, total, 0.1, "linear") == pytest.approx(0.5)
+    assert lr_factor(70, total, 0.1, "constant") == 1.0
+
+
+def _model_and_opt(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)  # frozen weights are not checkpointed
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return model, opt, sched
+
+
+def _train_steps(model, opt, sched, n):
+    for _ in range(n):
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_checkpoint_roundtrip_resumes_bit_identically(tmp_path, where, request, monkeypatch):
+    root = str(tmp_path) if where == "local" else request.getfixturevalue("s3")["url"] + "/ckpt-test"
+    if where == "s3":
+        import fsspec
+
+        # How production passes S3 settings to the trainer: fsspec's config (env or file).
+        monkeypatch.setitem(fsspec.config.conf, "s3", request.getfixturevalue("s3")["storage_options"])
+    layout = RunLayout(join(root, "run"))
+    model, opt, sched = _model_and_opt(0)
+    _train_steps(model, opt, sched, 3)
+    checkpointing.save(layout, model, opt, sched, checkpointing.TrainState(step=3, epoch=1, epoch_step=2))
+    _train_steps(model, opt, sched, 2)
+    reference = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, sched2 = _model_and_opt(1)
+    folder = checkpointing.newest_complete(layout)
+    assert folder.endswith("step-00000003")
+    state = checkpointing.restore(folder, model2, opt2, sched2)
+    assert (state.step, state.epoch, state.epoch_step) == (3, 1, 2)
+    model2[0].weight.data.copy_(model[0].weight.data)  # frozen part comes from the target, not the checkpoint
+    _train_steps(model2, opt2, sched2, 2)
+    for a, b in zip(reference, model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_without_marker_is_never_resumed(tmp_path):
+    layout = RunLayout(str(tmp_path / "run"))
+    model, opt, sched = _model_and_opt(0)
+    checkpointing.save(layout, model, opt, sched, checkpointing.TrainState(step=5))
+    checkpointing.save(layout, model, opt, sched, checkpointing.TrainState(step=9))
+    (tmp_path / "run" / "checkpoints" / "step-00000009" / CHECKPOINT_COMPLETE).unlink()
+    assert checkpointing.newest_complete(layout).endswith("step-00000005")
+
+
+def test_metrics_lines_go_to_stdout_and_file_and_truncate_on_resume(tmp_path, capsys):
+    log = MetricsLog(str(tmp_path / "m.jsonl"))
+    for step in (5, 10, 15):
+        log.log({"step": step, "loss": 1.0 / step})
+    printed = [parse_line(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert [p["step"] for p in printed] == [5, 10, 15]
+    again = MetricsLog(str(tmp_path / "m.jsonl"))
+    again.truncate_after(10)
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [5, 10]
