@@ -105,7 +105,7 @@ class DataLayout:
         return join(self.root, _SHARDS)
 
     def shard_key(self, shard_id: str, writer: str) -> str:
-        """A shard's path relative to this folder, as the manifest stores it (a copied folder stays valid)."""
+        """A shard's path relative to this folder, as the manifest stores it (so a copy stays valid)."""
         return f"{_SHARDS}/{safe_component(shard_id)}-{safe_component(writer)}{SHARD_SUFFIX}"
 
     def shard(self, shard_id: str, writer: str) -> str:

@@ -3,5 +3,7 @@
 - :mod:`draftflow.data.sources`: readers for every recipe source kind, normalised to
   ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``.
 - :mod:`draftflow.data.chat`: the target's chat template → token ids + assistant loss mask.
-- :mod:`draftflow.data.prepare`: mixing, split, optional response regeneration, Parquet output.
+- :mod:`draftflow.data.regenerate`: the target rewrites assistant turns (injected async client).
+- :mod:`draftflow.data.prepare`: mixing, split, regeneration, tokenisation → prepared set.
+- :mod:`draftflow.data.dataset`: the prepared set on storage: schema, atomic writes, loaders.
 """

@@ -7,31 +7,40 @@ never generates it, generation stops at the stop token.
 
 How the spans are found (no regexes, so any template works):
 
-- The whole conversation is rendered once; that token sequence is the sample.
-- For each assistant turn ``i``: ``before`` = the conversation up to the turn, rendered with
-  ``add_generation_prompt=True`` (exactly what a server feeds the target to produce the
-  turn); ``after`` = the conversation up to and including the turn.
-- ``before`` must be a token prefix of the full sequence, or the full rendering puts the
-  context in a form the target never sees at generation time: the conversation is dropped
+- The whole conversation is rendered and tokenised once (with character offsets); that
+  token sequence is the sample.
+- For each assistant turn ``i``: ``before`` = the conversation up to the turn rendered with
+  ``add_generation_prompt=True`` (what a server feeds the target to produce the turn);
+  ``after`` = the conversation up to and including the turn.
+- ``before`` must be a prefix of the full rendering, or the full text puts the context in a
+  form the target never sees when it produces the turn: the conversation is dropped
   (``template_prefix_mismatch``).
-- If ``after`` is a token prefix too, the turn's tokens are ``full[len(before):len(after)]``,
-  cut after the first stop token.
+- The turn's tokens start at the token that starts where ``before`` ends; a token straddling
+  that point (a template whose prompt ends in a space that BPE merges into the reply) drops
+  the conversation (``token_boundary_mismatch``). They end at the first stop token before the
+  end of ``after`` (or at its end for templates without one).
+- The token prefix property is checked as well: ``tokenize(before)`` should equal the sample's
+  tokens up to the turn. Where it does not (a GPT-2-style pre-tokeniser splits the "\n\n"
+  that ends a Qwen3 non-thinking prompt differently once the reply follows), the masked
+  tokens are still exactly the reply's tokens and only the context differs from what a server
+  would send; the turn is kept and counted (``retokenized_prompts``).
 - If ``after`` is *not* a prefix, the template rewrites this turn once later turns follow.
   Qwen3-style templates do this: the ``<think>…</think>`` block of an assistant turn is
   removed from every turn before the last user message. Decision: such a turn stays in the
   sample as context (mask 0) and is counted (``context_only_turns``). Its history form is not
   what the target emitted when it produced the turn (it emitted the reasoning too), so
-  training the drafter on it would teach a distribution the target never produces; the last
-  turns after the final user message always keep their mask. Conversations where no turn
-  keeps any mask are dropped (``no_loss_tokens``).
+  training the drafter on it would teach a distribution the target never produces. The turns
+  after the final user message always keep their mask; conversations where no turn keeps any
+  mask are dropped (``no_loss_tokens``).
 
 Truncation keeps the first ``max_length`` tokens (counted); a sample left without loss tokens
-is dropped (``no_loss_after_truncation``).
+is dropped (``no_loss_after_truncation``). Turns that start beyond the cut are not rendered at
+all: prefix rendering is quadratic in the number of turns, and long chat logs have hundreds.
 """
 
 from __future__ import annotations
 
-import json
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +60,7 @@ class Encoded:
     loss_mask: list[int]
     truncated: bool
     context_only_turns: int  # assistant turns kept as context because the template rewrites them
+    retokenized_prompts: int  # turns whose context tokens differ from tokenize(generation prompt)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -75,6 +85,8 @@ class ChatEncoder:
             raise ValueError("the tokenizer has no chat template and the recipe sets no target.chat_template")
         if not isinstance(template, str):
             raise ValueError("named chat templates (dict) are not supported; set target.chat_template")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("a fast tokenizer (tokenizer.json) is needed: loss masks use its character offsets")
         stops = set(stop_token_ids or ())
         if tokenizer.eos_token_id is not None:
             stops.add(int(tokenizer.eos_token_id))
@@ -115,42 +127,51 @@ class ChatEncoder:
             return None, "no_assistant_turn"
         try:
             full_text = self.render(messages)
-            before_texts = [self.render(messages[:i], add_generation_prompt=True) for i in turns]
-            after_texts = [self.render(messages[: i + 1]) for i in turns]
         except Exception:  # jinja errors and templates' own raise_exception (role order etc.)
             return None, "template_error"
+        encoding = self.tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+        truncated = max_length is not None and len(ids) > max_length
+        if truncated:
+            ids, offsets = ids[:max_length], offsets[:max_length]
+        kept_chars = offsets[-1][1] if truncated else len(full_text)
+        starts = [start for start, _ in offsets]
+        ends_before = [0]  # ends_before[j]: furthest character any of the first j tokens covers
+        for _, end in offsets:
+            ends_before.append(max(ends_before[-1], end))
 
-        # Token prefixes imply text prefixes, so texts that are not even a text prefix are
-        # settled without tokenising them (the common case for Qwen3-style history turns).
-        candidates = [t for t in before_texts + after_texts if full_text.startswith(t)]
-        token_lists = self._tokenize([full_text, *candidates])
-        full_ids, prefix_ids = token_lists[0], dict(zip(candidates, token_lists[1:]))
-
-        mask = [0] * len(full_ids)
+        mask = [0] * len(ids)
         context_only = 0
-        for before_text, after_text in zip(before_texts, after_texts):
-            before = prefix_ids.get(before_text)
-            if before is None or full_ids[: len(before)] != before:
+        checked: list[tuple[str, int]] = []  # (generation prompt, index of the turn's first token)
+        for i in turns:
+            try:
+                before_text = self.render(messages[:i], add_generation_prompt=True)
+                after_text = self.render(messages[: i + 1])
+            except Exception:
+                return None, "template_error"
+            if not full_text.startswith(before_text):
                 return None, "template_prefix_mismatch"
-            after = prefix_ids.get(after_text)
-            if after is None or len(after) <= len(before) or full_ids[: len(after)] != after:
+            if len(before_text) >= kept_chars:
+                break  # this turn and every later one lie beyond the truncation point
+            if not full_text.startswith(after_text):
                 context_only += 1
                 continue
-            start, end = len(before), len(after)
-            for pos in range(start, end):
-                if full_ids[pos] in self.stop_token_ids:
-                    end = pos + 1
+            first = bisect_left(starts, len(before_text))
+            if ends_before[first] > len(before_text):
+                return None, "token_boundary_mismatch"
+            last = bisect_left(starts, len(after_text))
+            for pos in range(first, last):
+                if ids[pos] in self.stop_token_ids:
+                    last = pos + 1
                     break
-            mask[start:end] = [1] * (end - start)
+            mask[first:last] = [1] * (last - first)
+            checked.append((before_text, first))
 
         if not any(mask):
-            return None, "no_loss_tokens"
-        truncated = max_length is not None and len(full_ids) > max_length
-        if truncated:
-            full_ids, mask = full_ids[:max_length], mask[:max_length]
-            if not any(mask):
-                return None, "no_loss_after_truncation"
-        return Encoded(list(full_ids), mask, truncated, context_only), None
+            return None, "no_loss_after_truncation" if truncated else "no_loss_tokens"
+        prompts = self._tokenize([text for text, _ in checked])
+        retokenized = sum(ids[:first] != prompt for (_, first), prompt in zip(checked, prompts))
+        return Encoded(ids, mask, truncated, context_only, retokenized), None
 
     def prompt_ids(self, messages: Conversation) -> list[int]:
         """Token ids of ``messages`` followed by the generation prompt (what a server would feed)."""
@@ -163,12 +184,14 @@ def read_chat_template(url: str) -> str:
         return f.read()
 
 
-def generation_stop_ids(model_dir: str) -> list[int]:
-    """Stop ids from a local model folder's generation_config.json (Llama 3 lists several)."""
+def generation_stop_ids(model: str, revision: str | None = None) -> list[int]:
+    """The target's stop ids from its generation config (Llama 3 and Gemma list several;
+    Gemma's turn end ``<end_of_turn>`` is not the tokenizer's eos). Empty when there is none."""
+    from transformers import GenerationConfig
+
     try:
-        with fsspec.open(expand(model_dir).rstrip("/") + "/generation_config.json", "r") as f:
-            eos = json.load(f).get("eos_token_id")
-    except (FileNotFoundError, json.JSONDecodeError, OSError):
+        eos = GenerationConfig.from_pretrained(expand(model), revision=revision).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json (or offline without a cached copy)
         return []
     if eos is None:
         return []
@@ -182,4 +205,4 @@ def load_chat_encoder(target: TargetSection, template_kwargs: dict[str, Any] | N
     model = expand(target.model)
     tokenizer = AutoTokenizer.from_pretrained(model, revision=target.revision)
     template = read_chat_template(target.chat_template) if target.chat_template else None
-    return ChatEncoder(tokenizer, template, generation_stop_ids(model), template_kwargs)
+    return ChatEncoder(tokenizer, template, generation_stop_ids(model, target.revision), template_kwargs)

@@ -228,9 +228,11 @@ def _arrow_files(fs: fsspec.AbstractFileSystem, folder: str) -> list[str]:
     """Data files of one saved split, in the order state.json lists them (row order matters)."""
     dict_file = join(folder, "dataset_dict.json")
     if fs.exists(dict_file):
-        # A saved DatasetDict: train on its train split (or every split when it has none).
+        # A saved DatasetDict: its `train` split, else every `train*` split (UltraChat-200k has
+        # train_sft/train_gen; duplicates between them are removed later), else every split.
         splits = json.loads(fs.cat_file(dict_file)).get("splits", [])
-        chosen = ["train"] if "train" in splits else sorted(splits)
+        chosen = ["train"] if "train" in splits else sorted(s for s in splits if s.startswith("train"))
+        chosen = chosen or sorted(splits)
         return [f for split in chosen for f in _arrow_files(fs, join(folder, split))]
     state_file = join(folder, "state.json")
     if fs.exists(state_file):

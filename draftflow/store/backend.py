@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from draftflow import paths
 from draftflow.paths import DataLayout
+import contextlib
 
 # Streamed reads (checksums) use this chunk size: large enough for object stores, small in RAM.
 READ_CHUNK = 8 << 20
@@ -123,10 +124,8 @@ class Store:
 
     def delete(self, url: str) -> None:
         fs, path = self.fs(url)
-        try:
+        with contextlib.suppress(FileNotFoundError):  # a concurrent gc or compaction got there first
             fs.rm_file(path)
-        except FileNotFoundError:
-            pass  # someone else (a concurrent gc or compaction) already removed it
 
     def write_atomic(self, url: str, write: Callable[[IO[bytes]], Any]) -> Any:
         """Run ``write(file)`` so that ``url`` becomes visible complete or not at all; returns its result."""
@@ -158,10 +157,8 @@ def _write_local(path: str, write: Callable[[IO[bytes]], Any]) -> Any:
             os.fsync(f.fileno())  # data on disk before the name points at it
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     dir_fd = os.open(folder, os.O_RDONLY)
     try:

@@ -4,58 +4,36 @@ The pipeline never imports vLLM; it sends token ids to ``/v1/completions`` on a 
 started with ``extract_hidden_states`` and reads the safetensors file the server writes
 (the file lives on the server's filesystem, so client and server must share it).
 
-The file protocol (vLLM 0.22+): the response names the file *before* the write finishes;
-the server holds an exclusive ``flock`` on ``<path>.lock`` until it is complete. We take a
-shared lock before reading, then remove both files ourselves (vLLM never does). Anything
-that does not match the prompt exactly is a corrupt sample, never training data: it raises
-:class:`InvalidHiddenStates` with the reason.
+The file protocol (lock, read, validate, delete) is in :mod:`draftflow.vllm.hidden_states_file`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import os
 import random
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors_bytes
+
+from draftflow.vllm.errors import (  # noqa: F401  (re-exported: callers catch them from here)
+    EndpointUnavailable,
+    ExtractionNotEnabled,
+    InvalidHiddenStates,
+    RequestFailed,
+    VLLMError,
+)
+from draftflow.vllm.hidden_states_file import (  # noqa: F401  (re-exported)
+    discard_hidden_states,
+    read_hidden_states,
+    remove_hidden_states,
+    validate_hidden_states,
+    wait_for_lock,
+)
 
 RETRYABLE_STATUS_MIN = 500  # 5xx: the server (or a proxy) failed; 4xx: our request is wrong
-
-
-class VLLMError(RuntimeError):
-    """Base of every error talking to a vLLM server."""
-
-
-class EndpointUnavailable(VLLMError):
-    """No connection to the endpoint (after retries)."""
-
-
-class RequestFailed(VLLMError):
-    """The server answered with an HTTP error status (4xx at once, 5xx after retries)."""
-
-    def __init__(self, endpoint: str, status: int, message: str):
-        super().__init__(f"{endpoint}: HTTP {status}: {message}")
-        self.endpoint, self.status, self.message = endpoint, status, message
-
-
-class ExtractionNotEnabled(VLLMError):
-    """The server answered but wrote no hidden states: it runs without extraction flags."""
-
-
-class InvalidHiddenStates(VLLMError):
-    """A hidden-states file (or the response naming it) failed validation; `reason` says why."""
-
-    def __init__(self, reason: str, path: str | None = None):
-        super().__init__(f"{reason} ({path})" if path else reason)
-        self.reason, self.path = reason, path
 
 
 @dataclass
@@ -66,6 +44,16 @@ class ExtractedSample:
     hidden_states: torch.Tensor  # [num_tokens, num_layers, hidden_size], the server's dtype
     endpoint: str
     request_id: str
+
+
+@dataclass
+class ChatReply:
+    """One regenerated assistant turn; `finish_reason` "length" means it hit `max_tokens`."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,11 +70,15 @@ def completion_payload(model: str, token_ids: Sequence[int]) -> dict:
 
 
 def error_message(response: httpx.Response) -> str:
+    """The server's reason: OpenAI-style {"error": {"message"}}, or vLLM's 401 {"error": "..."}."""
     try:
         body = response.json()
-        return str(body.get("error", {}).get("message") or body)
     except ValueError:
         return response.text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error or body)[:500]
 
 
 def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int]) -> str:
@@ -102,109 +94,11 @@ def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int]) -> str:
     choices = body.get("choices") or [{}]
     echoed = choices[0].get("prompt_token_ids")
     if echoed is not None and list(echoed) != list(prompt):
-        remove_hidden_states(path)
+        discard_hidden_states(path)
         raise InvalidHiddenStates(
             f"server echoed {len(echoed)} prompt tokens that differ from the {len(prompt)} sent", path
         )
     return path
-
-
-def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> int:
-    """Open `lock_path` and flock it; returns the fd (closing it releases the lock).
-
-    Polls with LOCK_NB rather than blocking so a writer that never finishes cannot hang us.
-    """
-    try:
-        fd = os.open(lock_path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise InvalidHiddenStates(
-            "lock file missing: the server's staging dir is not visible here (client and server "
-            "must share it) or the server runs without use_synchronization_lock", lock_path
-        ) from None
-    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
-        try:
-            fcntl.flock(fd, mode)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise InvalidHiddenStates(f"writer still holds the lock after {timeout_s:.0f}s", lock_path) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-
-def remove_hidden_states(path: str) -> None:
-    for p in (path, path + ".lock"):
-        try:
-            os.remove(p)
-        except FileNotFoundError:
-            pass
-
-
-def validate_hidden_states(
-    tensors: dict[str, torch.Tensor],
-    prompt: Sequence[int],
-    num_layers: int | None = None,
-    hidden_size: int | None = None,
-    path: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check one file's tensors against the prompt sent; returns (token_ids, hidden_states)."""
-    missing = {"hidden_states", "token_ids"} - tensors.keys()
-    if missing:
-        raise InvalidHiddenStates(f"file lacks tensor(s) {sorted(missing)}", path)
-    token_ids, hidden = tensors["token_ids"], tensors["hidden_states"]
-    if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
-        raise InvalidHiddenStates(f"token_ids has shape {tuple(token_ids.shape)} / dtype {token_ids.dtype}", path)
-    if token_ids.tolist() != list(prompt):
-        first = next((i for i, (a, b) in enumerate(zip(token_ids.tolist(), prompt)) if a != b), None)
-        where = f"first difference at position {first}" if first is not None else "lengths differ"
-        raise InvalidHiddenStates(
-            f"token_ids in file ({token_ids.numel()} tokens) != prompt ({len(prompt)} tokens), {where}", path
-        )
-    if hidden.dim() != 3:
-        raise InvalidHiddenStates(f"hidden_states has shape {tuple(hidden.shape)}, expected 3 dims", path)
-    if hidden.shape[0] != len(prompt):
-        raise InvalidHiddenStates(f"hidden_states covers {hidden.shape[0]} tokens, prompt has {len(prompt)}", path)
-    if num_layers is not None and hidden.shape[1] != num_layers:
-        raise InvalidHiddenStates(f"hidden_states has {hidden.shape[1]} layers, expected {num_layers}", path)
-    if hidden_size is not None and hidden.shape[2] != hidden_size:
-        raise InvalidHiddenStates(f"hidden size is {hidden.shape[2]}, expected {hidden_size}", path)
-    if not hidden.dtype.is_floating_point:
-        raise InvalidHiddenStates(f"hidden_states dtype is {hidden.dtype}", path)
-    if not bool(torch.isfinite(hidden).all()):
-        bad = int((~torch.isfinite(hidden)).sum())
-        raise InvalidHiddenStates(f"hidden_states has {bad} non-finite values", path)
-    return token_ids.to(torch.int64), hidden
-
-
-def read_hidden_states(
-    path: str,
-    prompt: Sequence[int],
-    num_layers: int | None = None,
-    hidden_size: int | None = None,
-    lock_timeout_s: float = 60.0,
-    exclusive: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lock, read (safetensors, never pickle), validate, and always delete file and lock."""
-    try:
-        fd = wait_for_lock(path + ".lock", lock_timeout_s, exclusive)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()  # fully in memory: the file is deleted right after
-        except FileNotFoundError:
-            raise InvalidHiddenStates("lock released but the hidden-states file is missing", path) from None
-        finally:
-            os.close(fd)
-        try:
-            tensors = load_safetensors_bytes(data)
-        except (SafetensorError, ValueError, RuntimeError) as err:
-            raise InvalidHiddenStates(f"unreadable safetensors file: {err}", path) from None
-        return validate_hidden_states(tensors, prompt, num_layers, hidden_size, path)
-    finally:
-        remove_hidden_states(path)
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,7 +220,7 @@ class VLLMClient:
                 "POST", ep, "/v1/completions",
                 json=completion_payload(model, prompt), headers={"X-Request-Id": request_id},
             )
-            path = hidden_states_path(response.json(), ep, prompt)
+            path = hidden_states_path(_json(response, ep), ep, prompt)
             # Lock waits and file reads block: keep them off the event loop.
             tokens, hidden = await asyncio.to_thread(
                 read_hidden_states, path, prompt, self.num_layers, self.hidden_size,
@@ -384,7 +278,20 @@ class VLLMClient:
         endpoint: str | None = None,
         request_id: str | None = None,
     ) -> str:
-        """The assistant reply to `messages` (response regeneration)."""
+        """The target's reply text to `messages` (response regeneration); greedy by default."""
+        reply = await self.chat_reply(messages, max_tokens, temperature, endpoint=endpoint, request_id=request_id)
+        return reply.text
+
+    async def chat_reply(
+        self,
+        messages: list[dict],
+        max_tokens: int,
+        temperature: float = 0.0,
+        *,
+        endpoint: str | None = None,
+        request_id: str | None = None,
+    ) -> ChatReply:
+        """Like :meth:`chat`, with finish reason and token counts (to spot truncated replies)."""
         ep = self._endpoint(endpoint)
         model = await self.model_name(ep)
         payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
@@ -393,18 +300,22 @@ class VLLMClient:
                 "POST", ep, "/v1/chat/completions", json=payload,
                 headers={"X-Request-Id": request_id or uuid.uuid4().hex},
             )
-        body = response.json()
+        body = _json(response, ep)
         # An extraction server writes a file for chat requests too; nobody else would delete it.
         path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path:
-            await asyncio.to_thread(_discard_hidden_states, path, self.lock_timeout_s)
-        return body["choices"][0]["message"].get("content") or ""
+            await asyncio.to_thread(discard_hidden_states, path, self.lock_timeout_s)
+        choice, usage = body["choices"][0], body.get("usage") or {}
+        return ChatReply(
+            text=choice["message"].get("content") or "",
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+        )
 
 
-def _discard_hidden_states(path: str, lock_timeout_s: float) -> None:
-    """Wait for the writer (so it cannot recreate the file after us), then delete."""
+def _json(response: httpx.Response, endpoint: str) -> dict:
     try:
-        os.close(wait_for_lock(path + ".lock", lock_timeout_s))
-    except InvalidHiddenStates:
-        pass  # not visible here or never released: delete what we can
-    remove_hidden_states(path)
+        return response.json()
+    except ValueError:
+        raise RequestFailed(endpoint, response.status_code, f"response is not JSON: {response.text[:200]!r}") from None

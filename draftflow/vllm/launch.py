@@ -166,20 +166,44 @@ class ServerProcess:
         raise ServerStartError(f"vLLM not healthy after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM the whole process group, SIGKILL what is left after `grace_s`.
+
+        Returns only once every process of the group is gone (the engine core and workers
+        outlive the API server by a second or two): a server started right after would
+        otherwise compete with them for the CPU cores they are bound to.
+        """
+        if self.proc is None:
             self._close_log()
             return
+        pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            if not self._group_alive(pgid):
+                break
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(pgid, sig)
             except ProcessLookupError:
                 break
-            try:
-                self.proc.wait(timeout=wait)
+            if self._wait_group_gone(pgid, wait):
                 break
-            except subprocess.TimeoutExpired:
-                continue
         self._close_log()
+
+    def _group_alive(self, pgid: int) -> bool:
+        self.proc.poll()  # reap our own child, or its zombie would keep the group alive
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _wait_group_gone(self, pgid: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self._group_alive(pgid):
+                return True
+            time.sleep(0.1)
+        return False
 
     def _close_log(self) -> None:
         if self._log is not None:

@@ -5,18 +5,17 @@ A server that answers is *checked*, never trusted: it must serve the expected mo
 probe extraction must return a file with the expected layer count, hidden size and token ids.
 A server this module starts is stopped by the returned handle; one it did not start never is.
 
-Layer *ids* (as opposed to their count) are not visible over plain HTTP: the file carries no
-metadata. They are compared when the server exposes ``/server_info`` (vLLM dev mode) and are
-known by construction for servers started here; otherwise only count and size are checked,
-and the handle's ``unverified`` list says so.
+Layer *ids* (as opposed to their count) cannot be checked over HTTP: the file carries no
+metadata, and vLLM 0.32 exposes them nowhere (not even dev mode's ``/server_info``, which
+dumps the draft config without its ``hf_config``). For servers started here they are right
+by construction; for others only count and hidden size are checked, the handle's
+``unverified`` list says so, and ``strict_layer_ids=True`` refuses such servers instead.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
-import re
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -70,7 +69,7 @@ class ServerHandle:
     endpoints: list[str]
     api_key: str | None = None
     started: list[ServerProcess] = field(default_factory=list)
-    unverified: list[str] = field(default_factory=list)  # checks that could not be made, per endpoint
+    unverified: list[str] = field(default_factory=list)  # checks that could not be made, one line each
 
     @property
     def log_paths(self) -> list[str]:
@@ -103,12 +102,15 @@ def ensure_running(
     log_dir: str | Path | None = None,
     probe_token_ids: Sequence[int] = DEFAULT_PROBE_TOKENS,
     health_timeout_s: float = 3.0,
+    strict_layer_ids: bool = False,
 ) -> ServerHandle:
     """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
 
     `launch` has the shape of the recipe's ``vllm.launch`` section (the pydantic object or a
     mapping with python, device, max_model_len, staging_dir, extra_args, env,
     startup_timeout_s). `model` is the recipe's target, as the server would be started with it.
+    With `strict_layer_ids`, a running server not started here is refused, because its layer
+    ids (beyond their count) cannot be verified.
     """
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
@@ -118,9 +120,13 @@ def ensure_running(
     try:
         for url in urls:
             if is_healthy(url, health_timeout_s):
-                # Layer ids of a server we did not start can only be read in vLLM dev mode.
-                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids,
-                               handle.unverified, health_timeout_s, verify_ids=True)
+                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s)
+                note = (f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
+                        f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked")
+                if strict_layer_ids:
+                    raise WrongLayers(f"{note}; strict_layer_ids refuses it: stop it and let the pipeline start one")
+                log.warning(note)
+                handle.unverified.append(note)
                 continue
             if launch is None:
                 raise EndpointDown(
@@ -129,8 +135,7 @@ def ensure_running(
                 )
             proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
             handle.started.append(proc)
-            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids,
-                           handle.unverified, health_timeout_s, verify_ids=False)
+            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s)
     except BaseException:
         handle.stop()
         raise
@@ -155,27 +160,14 @@ def check_endpoint(
     hidden_size: int,
     api_key: str | None,
     probe_token_ids: Sequence[int],
-    unverified: list[str],
     timeout_s: float,
-    verify_ids: bool,
 ) -> None:
+    """Model served and a probe extraction's layer count, hidden size and tokens."""
     headers = auth_headers(api_key)
     with httpx.Client(base_url=url, headers=headers, timeout=max(timeout_s, 60.0)) as http:
         served = _get_json(http, url, "/v1/models").get("data", [])
         served_id = check_model(url, model, served)
         check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids)
-        if verify_ids:
-            served_ids = read_served_layer_ids(http)
-            if served_ids is None:
-                unverified.append(
-                    f"{url}: layer ids not exposed over HTTP (no /server_info); "
-                    f"count ({len(layer_ids)}) and hidden size ({hidden_size}) match"
-                )
-                log.warning(unverified[-1])
-            elif list(served_ids) != list(layer_ids):
-                raise WrongLayers(
-                    f"{url} extracts layer ids {list(served_ids)}, but the recipe expects {list(layer_ids)}"
-                )
 
 
 def _get_json(http: httpx.Client, url: str, path: str) -> dict:
@@ -233,24 +225,6 @@ def check_extraction(
         )
     if hidden.shape[2] != hidden_size:
         raise WrongLayers(f"{url} returns hidden size {hidden.shape[2]}, but the target's hidden size is {hidden_size}")
-
-
-_IDS_IN_TEXT = re.compile(r"eagle_aux_hidden_state_layer_ids['\"]?\s*[:=]\s*\[([0-9,\s]*)\]")
-
-
-def read_served_layer_ids(http: httpx.Client) -> list[int] | None:
-    """The server's extraction layer ids from `/server_info` (dev mode only), else None."""
-    try:
-        response = http.get("/server_info", params={"config_format": "json"}, timeout=30.0)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    # The draft hf_config is dumped as a string (no JSON schema for it): search the text.
-    match = _IDS_IN_TEXT.search(json.dumps(response.json()).replace('\\"', '"'))
-    if not match:
-        return None
-    return [int(x) for x in match.group(1).split(",") if x.strip()]
 
 
 # ---------------------------------------------------------------------------------------

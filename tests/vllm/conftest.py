@@ -7,6 +7,7 @@ the module that uses it finishes, before other modules ask `vllm_servers` for th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,26 @@ from draftflow.vllm.launch import free_port
 SMOLLM2_LAYER_IDS = [0, 2, 15, 29, 30]
 SMOLLM2_HIDDEN = 576
 SMOLLM2_MAX_MODEL_LEN = 512
+API_KEY = "draftflow-test-key"  # the launched server requires it: every check must send it
+
+
+@dataclass
+class ExtractionServer:
+    handle: object  # draftflow.vllm.server.ServerHandle
+    layer_ids: list[int]
+    hidden_size: int
+    max_model_len: int
+    staging_dir: Path
+    api_key: str
+
+    @property
+    def url(self) -> str:
+        return self.handle.endpoints[0]
 
 
 @pytest.fixture(scope="module")
 def smollm2_extraction(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_path_factory):
-    """A handle from `ensure_running` that launched SmolLM2 with extraction (fp32, CPU)."""
+    """SmolLM2 with extraction (fp32, CPU, API key), launched by `ensure_running`."""
     from draftflow.vllm.server import ensure_running
 
     vllm_servers.stop()
@@ -39,10 +55,10 @@ def smollm2_extraction(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_pa
         model=str(smollm2_dir),
         layer_ids=SMOLLM2_LAYER_IDS,
         hidden_size=SMOLLM2_HIDDEN,
+        api_key=API_KEY,
         launch=launch,
         dtype="float32",
         log_dir=work / "logs",
     )
-    handle.staging_dir = Path(launch["staging_dir"])  # for tests that check nothing is left behind
-    yield handle
+    yield ExtractionServer(handle, SMOLLM2_LAYER_IDS, SMOLLM2_HIDDEN, SMOLLM2_MAX_MODEL_LEN, Path(launch["staging_dir"]), API_KEY)
     handle.stop()

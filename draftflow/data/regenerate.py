@@ -1,0 +1,112 @@
+"""Response regeneration: the target rewrites the assistant turns of selected conversations.
+
+Drafters learn best on the target's own replies. The vLLM client is injected as an async
+``generate(messages, max_tokens) -> str`` so this module has no server dependency and its
+plumbing is testable with a fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from draftflow.data.sources import Conversation
+
+Generate = Callable[[list[dict], int], Awaitable[str]]
+
+
+class RegenerationError(RuntimeError):
+    """The target keeps failing: regeneration stops instead of dropping every conversation."""
+
+
+async def regenerate_conversations(
+    conversations: list[Conversation],
+    generate: Generate,
+    max_tokens: int,
+    concurrency: int,
+    timeout_s: float | None = None,
+    max_failures_in_a_row: int = 50,
+) -> tuple[list[tuple[Conversation | None, str | None]], list[str]]:
+    """Replace every assistant turn with the target's reply to the turns before it.
+
+    Replies are generated turn by turn, each conditioned on the already regenerated earlier
+    replies, so the assistant side is the target's own (later user turns stay as written).
+    At most ``concurrency`` requests are in flight: a fixed pool of workers, not one task per
+    conversation, so memory stays flat for large sets. A failed, timed-out or empty reply
+    drops that conversation with a reason; cancellation is not caught, so stopping a run
+    still stops it. ``max_failures_in_a_row`` failed requests with no success in between
+    mean the server is down or broken: that raises RegenerationError at once instead of
+    grinding through every conversation into an empty dataset.
+    Returns ((conversation, None) or (None, reason)) per input, in order, and a few error
+    messages for the report.
+    """
+    results: list[tuple[Conversation | None, str | None]] = [(None, "regenerate_not_run")] * len(conversations)
+    errors: list[str] = []
+    pending = iter(range(len(conversations)))
+    streak = [0]  # failures since the last successful reply, across all workers
+
+    def failed(reason: str) -> tuple[None, str]:
+        streak[0] += 1
+        if streak[0] >= max_failures_in_a_row:
+            raise RegenerationError(f"{streak[0]} regeneration requests failed in a row ({reason}); "
+                                    f"last errors: {errors[-3:]}")
+        return None, reason
+
+    async def one(messages: Conversation) -> tuple[Conversation | None, str | None]:
+        out = [dict(m) for m in messages]
+        for i, m in enumerate(out):
+            if m["role"] != "assistant":
+                continue
+            try:
+                call = generate([dict(x) for x in out[:i]], max_tokens)
+                reply = await (asyncio.wait_for(call, timeout_s) if timeout_s else call)
+            except asyncio.TimeoutError:
+                return failed("regenerate_timeout")
+            except Exception as err:  # a server error must cost one sample, not the whole run
+                errors.append(f"{type(err).__name__}: {err}"[:300])
+                del errors[:-5]  # keep the latest few for the report
+                return failed("regenerate_failed")
+            if not isinstance(reply, str) or not reply.strip():
+                return failed("regenerate_empty")
+            streak[0] = 0
+            out[i] = {"role": "assistant", "content": reply.strip()}
+        return out, None
+
+    async def worker() -> None:
+        for idx in pending:  # the shared iterator hands each index to exactly one worker
+            results[idx] = await one(conversations[idx])
+
+    tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(conversations))))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        # gather leaves the other workers running on the caller's loop: stop them first.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return results, errors
+
+
+def run_coroutine(coro: Any) -> Any:
+    """asyncio.run, also from code that already runs an event loop (it gets its own thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as err:  # re-raised in the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="draftflow-regenerate")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,0 +1,129 @@
+"""The hidden-states file vLLM writes per request: lock, read, validate, delete.
+
+Protocol (vLLM 0.22+): the response names the file *before* the write finishes; the server
+holds an exclusive ``flock`` on ``<path>.lock`` until it is complete, so a reader takes the
+lock (shared or exclusive) first. vLLM never deletes either file: the reader must, whatever
+happens, or the staging dir (often /dev/shm, i.e. RAM) fills up. Files are read with
+safetensors only (never pickle), and anything that does not match the prompt exactly is
+a corrupt sample, never training data: it raises :class:`InvalidHiddenStates` with the reason.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+
+from draftflow.vllm.errors import InvalidHiddenStates
+
+
+def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> int:
+    """Open `lock_path` and flock it; returns the fd (closing it releases the lock).
+
+    Polls with LOCK_NB rather than blocking so a writer that never finishes cannot hang us.
+    """
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise InvalidHiddenStates(
+            "lock file missing: the server's staging dir is not visible here (client and server "
+            "must share it) or the server runs without use_synchronization_lock", lock_path
+        ) from None
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        try:
+            fcntl.flock(fd, mode)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise InvalidHiddenStates(f"writer still holds the lock after {timeout_s:.0f}s", lock_path) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+def remove_hidden_states(path: str) -> None:
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def validate_hidden_states(
+    tensors: dict[str, torch.Tensor],
+    prompt: Sequence[int],
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    path: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check one file's tensors against the prompt sent; returns (token_ids, hidden_states)."""
+    missing = {"hidden_states", "token_ids"} - tensors.keys()
+    if missing:
+        raise InvalidHiddenStates(f"file lacks tensor(s) {sorted(missing)}", path)
+    token_ids, hidden = tensors["token_ids"], tensors["hidden_states"]
+    if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+        raise InvalidHiddenStates(f"token_ids has shape {tuple(token_ids.shape)} / dtype {token_ids.dtype}", path)
+    if token_ids.tolist() != list(prompt):
+        first = next((i for i, (a, b) in enumerate(zip(token_ids.tolist(), prompt)) if a != b), None)
+        where = f"first difference at position {first}" if first is not None else "lengths differ"
+        raise InvalidHiddenStates(
+            f"token_ids in file ({token_ids.numel()} tokens) != prompt ({len(prompt)} tokens), {where}", path
+        )
+    if hidden.dim() != 3:
+        raise InvalidHiddenStates(f"hidden_states has shape {tuple(hidden.shape)}, expected 3 dims", path)
+    if hidden.shape[0] != len(prompt):
+        raise InvalidHiddenStates(f"hidden_states covers {hidden.shape[0]} tokens, prompt has {len(prompt)}", path)
+    if num_layers is not None and hidden.shape[1] != num_layers:
+        raise InvalidHiddenStates(f"hidden_states has {hidden.shape[1]} layers, expected {num_layers}", path)
+    if hidden_size is not None and hidden.shape[2] != hidden_size:
+        raise InvalidHiddenStates(f"hidden size is {hidden.shape[2]}, expected {hidden_size}", path)
+    if not hidden.dtype.is_floating_point:
+        raise InvalidHiddenStates(f"hidden_states dtype is {hidden.dtype}", path)
+    if not bool(torch.isfinite(hidden).all()):
+        bad = int((~torch.isfinite(hidden)).sum())
+        raise InvalidHiddenStates(f"hidden_states has {bad} non-finite values", path)
+    return token_ids.to(torch.int64), hidden
+
+
+def read_hidden_states(
+    path: str,
+    prompt: Sequence[int],
+    num_layers: int | None = None,
+    hidden_size: int | None = None,
+    lock_timeout_s: float = 60.0,
+    exclusive: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lock, read (safetensors, never pickle), validate, and always delete file and lock."""
+    try:
+        fd = wait_for_lock(path + ".lock", lock_timeout_s, exclusive)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()  # fully in memory: the file is deleted right after
+        except FileNotFoundError:
+            raise InvalidHiddenStates("lock released but the hidden-states file is missing", path) from None
+        finally:
+            os.close(fd)
+        try:
+            tensors = load_safetensors_bytes(data)
+        except (SafetensorError, ValueError, RuntimeError) as err:
+            raise InvalidHiddenStates(f"unreadable safetensors file: {err}", path) from None
+        return validate_hidden_states(tensors, prompt, num_layers, hidden_size, path)
+    finally:
+        remove_hidden_states(path)
+
+
+def discard_hidden_states(path: str, lock_timeout_s: float = 60.0) -> None:
+    """Delete a file nobody will read, after the writer is done (or it would recreate it)."""
+    try:
+        os.close(wait_for_lock(path + ".lock", lock_timeout_s))
+    except InvalidHiddenStates:
+        pass  # lock not visible here, or never released: delete what we can
+    remove_hidden_states(path)
