@@ -1,0 +1,88 @@
+"""DFlash attention: each block's queries see their document's context before the anchor
+plus every token of their own block (non-causal), nothing else.
+
+Who sees what (matches vLLM 0.32 ``DFlashProposer``): for a block anchored at packed index
+``a`` (the anchor token's own position is ``pos[a]``), the context keys are the target
+states at indices ``doc_start(a) <= t < a`` — the anchor's own state is *not* included
+(at inference the anchor is the bonus token the target has not processed yet, so its state
+does not exist; vLLM's context is every token up to ``last_pos`` and the block starts at
+``last_pos + 1``). Block keys: the B tokens of the same block, in both directions.
+
+Two implementations, same result:
+- ``"dense"``: (a) block→context as range attention over the A·B queries (chunked, keys
+  windowed, recomputed in backward) and (b) in-block attention per block ``[B, B]``, merged
+  exactly by their log-sum-exp. Memory is linear in the number of anchors; no
+  ``[A·B, A·B]`` or ``[A·B, T + A·B]`` tensor is ever built.
+- ``"flex"``: one ``flex_attention`` call over the keys ``[context ; all blocks]`` with a
+  block mask encoding both rules (block-sparse, compiled on GPU; forward-only on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from draftflow.models.common import (
+    AttentionImpl, dense_attention_lse, flex_attention_fn, merge_attention, range_attention_dense,
+)
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Non-causal attention inside each block.
+
+    q: [Bt, A, B, nh, hd]; k, v: [Bt, A, B, nkv, hd] → out [Bt, A, B, nh, hd], lse [Bt, A, B, nh].
+    """
+    bt, a, b, nh, hd = q.shape
+    nkv = k.shape[-2]
+    visible = torch.ones(1, b, b, dtype=torch.bool, device=q.device)
+    out, lse = dense_attention_lse(
+        q.reshape(bt * a, b, nh, hd), k.reshape(bt * a, b, nkv, hd), v.reshape(bt * a, b, nkv, hd), visible, scale
+    )
+    return out.view(bt, a, b, nh, hd), lse.view(bt, a, b, nh)
+
+
+def dflash_attention(
+    q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, lo: Tensor, hi: Tensor, scale: float,
+    impl: AttentionImpl = "dense",
+) -> Tensor:
+    """q: [Bt, A, B, nh, hd]; k, v: [Bt, A, B, nkv, hd] (the blocks' own keys);
+    ctx_k, ctx_v: [Bt, T, nkv, hd]; lo, hi: [Bt, A] context index range of each block.
+    Returns [Bt, A, B, nh, hd]."""
+    if impl == "flex":
+        return dflash_attention_flex(q, k, v, ctx_k, ctx_v, lo, hi, scale)
+    bt, a, b, nh, hd = q.shape
+    # (a) block -> context: A·B queries, each block's slots share its range [lo, hi)
+    out_c, lse_c = range_attention_dense(
+        q.reshape(bt, a * b, nh, hd), ctx_k, ctx_v, lo.repeat_interleave(b, 1), hi.repeat_interleave(b, 1), scale
+    )
+    # (b) in-block
+    out_b, lse_b = block_attention(q, k, v, scale)
+    return merge_attention(out_c.view(bt, a, b, nh, hd), lse_c.view(bt, a, b, nh), out_b, lse_b)
+
+
+def dflash_mask_mod(lo: Tensor, hi: Tensor, block_size: int, context_len: int):
+    """flex mask over keys [context (T) ; block 0 ; block 1 ; ...] for queries [block 0 ; ...]."""
+
+    def mask_mod(b, h, qi, ki):
+        blk = qi // block_size
+        in_ctx = (ki < context_len) & (ki >= lo[b, blk]) & (ki < hi[b, blk])
+        in_blk = (ki >= context_len) & ((ki - context_len) // block_size == blk)
+        return in_ctx | in_blk
+
+    return mask_mod
+
+
+def dflash_attention_flex(
+    q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, lo: Tensor, hi: Tensor, scale: float
+) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bt, a, b, nh, hd = q.shape
+    t, nkv = ctx_k.shape[1], ctx_k.shape[2]
+    qf = q.reshape(bt, a * b, nh, hd).transpose(1, 2)  # [Bt, nh, A·B, hd]
+    kf = torch.cat([ctx_k, k.reshape(bt, a * b, nkv, hd)], 1).transpose(1, 2)  # [Bt, nkv, T+A·B, hd]
+    vf = torch.cat([ctx_v, v.reshape(bt, a * b, nkv, hd)], 1).transpose(1, 2)
+    mask = create_block_mask(dflash_mask_mod(lo, hi, b, t), bt, None, a * b, t + a * b, device=q.device,
+                             _compile=q.device.type != "cpu")
+    out = flex_attention_fn(q.device)(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=nh != nkv)
+    return out.transpose(1, 2).reshape(bt, a, b, nh, hd)

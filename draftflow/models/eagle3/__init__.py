@@ -1,0 +1,7 @@
+"""Eagle3 autoregressive drafter: config, model (+ TTT loss), attention, checkpoint."""
+
+from draftflow.models.eagle3 import attention, checkpoint, config, model
+from draftflow.models.eagle3.config import Eagle3Config
+from draftflow.models.eagle3.model import Eagle3Drafter, eagle3_loss
+
+__all__ = ["Eagle3Config", "Eagle3Drafter", "attention", "checkpoint", "config", "eagle3_loss", "model"]

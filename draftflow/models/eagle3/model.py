@@ -1,0 +1,216 @@
+"""Eagle3: an autoregressive one-layer drafter fed with fused target hidden states.
+
+What it computes (the same as vLLM 0.32's ``Eagle3LlamaForCausalLM`` + the EAGLE proposer):
+
+1. ``g = fc(concat(h_l1, ..., h_ln))``, [T, n·H] → [T, H] (ascending layer ids, no bias).
+2. One Llama decoder layer with a 2H-wide attention input:
+       e = input_layernorm(embed(token))
+       norm_before_residual:  h' = hidden_norm(h); residual = h'
+       otherwise:             h' = hidden_norm(h); residual = h
+       x = residual + o_proj(attn([e ; h']))        q/k/v_proj: 2H → heads, RoPE, no q/k norm
+       out = x + mlp(post_attention_layernorm(x))   (``out`` is the pre-norm output)
+3. ``norm(out)`` → ``lm_head`` over the draft vocabulary; target id = draft id + ``d2t``.
+4. Chaining: the first pass pairs the target's state at position i with token i+1 (ids
+   shifted left, the target's next token last); each further step feeds the previous
+   step's pre-norm ``out`` and its drafted token at position + 1.
+
+Training-time test (:meth:`Eagle3Drafter.forward_ttt`) unrolls ``steps`` of 4. in parallel
+over all positions, step k reading token i+1+k and attending per ``attention.py``; the loss
+of step k is weighted ``decay**k``. Trainable: fc and the layer, norm, lm_head (unless
+frozen). Frozen: embed_tokens (the target's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from draftflow.models.common import PackedBatch, RMSNorm, RotaryEmbedding, SwiGLU, attention_scale, shift_left
+from draftflow.models.eagle3.attention import ttt_attention
+from draftflow.models.eagle3.config import Eagle3Config
+from draftflow.models.losses import (
+    LossKind, LossOutput, draft_metrics, soft_cross_entropy, token_cross_entropy, ttt_weight, weighted_mean,
+)
+from draftflow.models.vocab import DraftVocab
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor, rope: RotaryEmbedding,
+                impl: str) -> Tensor:
+        # x [Bt, T, 2H]; cache holds step-0 keys "k0"/"v0" and later steps' "k"/"v" lists
+        q = rope(self.q_proj(x).unflatten(-1, (self.nh, self.hd)), pos)  # [Bt, T, nh, hd]
+        k = rope(self.k_proj(x).unflatten(-1, (self.nkv, self.hd)), pos)  # [Bt, T, nkv, hd]
+        v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        if "k0" not in cache:
+            cache.update(k0=k, v0=v, k=[], v=[])
+        else:
+            cache["k"].append(k)
+            cache["v"].append(v)
+        out = ttt_attention(q, cache["k0"], cache["v0"], cache["k"], cache["v"], lo, hi, attention_scale(self.hd), impl)
+        return self.o_proj(out.flatten(-2))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds, hidden, pos, cache, lo, hi, rope, impl) -> Tensor:
+        e = self.input_layernorm(embeds)
+        h = self.hidden_norm(hidden)
+        residual = h if self.norm_before_residual else hidden
+        x = residual + self.self_attn(torch.cat([e, h], -1), pos, cache, lo, hi, rope, impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config, vocab: DraftVocab | None = None):
+        super().__init__()
+        self.config = cfg = config
+        vocab = vocab or DraftVocab.identity(cfg.vocab_size)
+        if (vocab.draft_vocab_size, vocab.target_vocab_size) != (cfg.draft_vocab_size, cfg.vocab_size):
+            raise ValueError("draft vocab does not match the config's (draft_)vocab_size")
+        self.attn_impl = "auto"  # "dense" | "flex" | "auto" (flex on accelerators)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", vocab.d2t.clone())
+        self.register_buffer("t2d", vocab.t2d.clone())
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        self.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.d2t, self.t2d)
+
+    @classmethod
+    def from_target(cls, target: str | Path, *, num_aux_layers: int, vocab: DraftVocab | None = None,
+                    norm_before_residual: bool = True, freeze_lm_head: bool = False) -> Eagle3Drafter:
+        """A fresh drafter; embedding and the initial lm_head come from the target's safetensors."""
+        from draftflow.models.target_weights import load_embeddings, load_lm_head, read_config
+
+        cfg = Eagle3Config.from_target(
+            read_config(target), num_aux_layers=num_aux_layers,
+            draft_vocab_size=vocab.draft_vocab_size if vocab else None,
+            norm_before_residual=norm_before_residual, freeze_lm_head=freeze_lm_head,
+        )
+        model = cls(cfg, vocab)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(load_embeddings(target))
+            model.lm_head.weight.copy_(load_lm_head(target)[model.vocab.target_ids()])
+        return model
+
+    def _impl(self, device: torch.device) -> str:
+        return ("flex" if device.type != "cpu" else "dense") if self.attn_impl == "auto" else self.attn_impl
+
+    def combine_hidden_states(self, aux_hidden: Tensor) -> Tensor:
+        """[Bt, T, n, H] → [Bt, T, H]."""
+        return self.fc(aux_hidden.flatten(-2).to(self.fc.weight.dtype))
+
+    def step(self, tokens: Tensor, hidden: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor) -> Tensor:
+        """One drafter pass: tokens [Bt, T], hidden [Bt, T, H] → pre-norm output [Bt, T, H]."""
+        return self.layers[0](self.embed_tokens(tokens), hidden, pos, cache, lo, hi, self.rotary,
+                              self._impl(hidden.device))
+
+    def compute_logits(self, hidden_prenorm: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden_prenorm))  # [..., draft_vocab]
+
+    def forward_ttt(self, input_ids: Tensor, aux_hidden: Tensor, position_ids: Tensor, doc_start: Tensor,
+                    steps: int) -> list[Tensor]:
+        """Unrolled training-time test; returns the pre-norm output [Bt, T, H] of every step.
+
+        Step k at index i reads token i+1+k (teacher forcing: the token vLLM feeds when every
+        earlier draft was accepted), position pos[i]+k, and the previous step's output.
+        """
+        t = input_ids.shape[1]
+        hi = torch.arange(1, t + 1, device=input_ids.device).expand_as(doc_start)
+        hidden, cache, outs = self.combine_hidden_states(aux_hidden), {}, []
+        for k in range(steps):
+            hidden = self.step(shift_left(input_ids, 1 + k), hidden, position_ids + k, cache, doc_start, hi)
+            outs.append(hidden)
+        return outs
+
+    @torch.no_grad()
+    def propose(self, aux_hidden: Tensor, input_ids: Tensor, next_tokens: Tensor, num_tokens: int,
+                position_ids: Tensor | None = None, return_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Draft a chain as vLLM does. aux_hidden [Bt, T, n, H] and input_ids [Bt, T] are the
+        tokens the target processed; next_tokens [Bt] its next token. Returns [Bt, K] target
+        ids (and the draft-vocab logits [Bt, K, Vd] with ``return_logits``)."""
+        bt, t = input_ids.shape
+        device = input_ids.device
+        pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(bt, t)
+        lo = torch.zeros_like(pos)
+        hi = torch.arange(1, t + 1, device=device).expand(bt, t)
+        tokens = torch.cat([input_ids[:, 1:], next_tokens[:, None]], 1)
+        hidden, cache, drafts, logits = self.combine_hidden_states(aux_hidden), {}, [], []
+        for k in range(num_tokens):
+            hidden = self.step(tokens, hidden, pos + k, cache, lo, hi)
+            logits.append(self.compute_logits(hidden[:, -1]))  # [Bt, Vd]
+            drafts.append(self.vocab.to_target(logits[-1].argmax(-1)))
+            tokens = drafts[-1][:, None].expand(bt, t)  # only the last index matters from here on
+        drafts = torch.stack(drafts, 1)
+        return (drafts, torch.stack(logits, 1)) if return_logits else drafts
+
+
+def step_targets(input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """TTT step k at index i predicts the data token i+2+k (index i holds the target's state
+    of token i, its input token is i+1+k). Returns labels [Bt, T] (target ids) and labelled
+    [Bt, T] (that token lies in i's document and counts for the loss)."""
+    idx = torch.arange(input_ids.shape[1], device=input_ids.device)
+    labelled = shift_left(loss_mask.bool(), 2 + step, False) & (idx + 2 + step < doc_end)
+    return shift_left(input_ids, 2 + step), labelled
+
+
+def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: float, loss: LossKind = "tokens",
+                target_head: nn.Module | None = None) -> LossOutput:
+    """Sum over TTT steps of decay**k × mean CE (or soft CE to the target) of step k."""
+    doc_start, doc_end, pos = batch.documents()
+    outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, doc_start, steps)
+    mask = batch.loss_mask.bool()
+    total = torch.zeros((), device=pos.device)
+    preds, labels, labelled = [], [], []
+    for k, out in enumerate(outs):
+        logits = model.compute_logits(out)  # [Bt, T, Vd]
+        lab, ok = step_targets(batch.input_ids, mask, doc_end, k)
+        lab = model.vocab.to_draft(lab)
+        if loss == "tokens":
+            lab_ce = lab.masked_fill(~ok, -1)
+            per_item, weights = token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float()
+        elif loss == "target_logits":
+            if target_head is None or batch.last_hidden is None:
+                raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
+            per_item = soft_cross_entropy(logits, target_head(shift_left(batch.last_hidden, 1 + k)))
+            weights = ok.float()
+        else:
+            raise ValueError(f"unknown loss {loss!r}")
+        total = total + ttt_weight(decay, k) * weighted_mean(per_item, weights)
+        preds.append(logits.argmax(-1))
+        labels.append(lab)
+        labelled.append(ok)
+    # A draft starts at every index whose bonus token (i+1) is a response token and whose
+    # first draft position has a label.
+    draft_valid = (shift_left(mask, 1, False) & labelled[0]).reshape(-1)
+    metrics = draft_metrics(torch.stack(preds, -1).reshape(-1, steps), torch.stack(labels, -1).reshape(-1, steps),
+                            torch.stack(labelled, -1).reshape(-1, steps), draft_valid)
+    return LossOutput(total, metrics)

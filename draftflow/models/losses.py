@@ -1,0 +1,112 @@
+"""Losses and acceptance metrics shared by the drafters.
+
+Conventions (both drafters):
+- A *draft position* k = 1..K is the k-th token a drafter proposes after the last accepted
+  token (DFlash: block slot k; Eagle3: TTT step k-1).
+- Labels are data tokens mapped to the draft vocab. A label outside the draft vocab is
+  **ignored by the cross-entropy** (no class to push towards) but **counted as wrong** by
+  the accuracy: the drafter can never propose it, so vLLM would reject that draft.
+- ``loss="target_logits"``: soft cross-entropy ``-sum_v p_target(v) log q(v)`` to the target's
+  distribution restricted to the draft vocab and renormalised (= KL(p||q) + H(p), same
+  gradient as KL). Accuracy is still measured against the data tokens, which for
+  regenerated (greedy) responses are the target's own choices.
+- Acceptance length (tokens per target forward, bonus token included):
+  ``acceptance_length`` = 1 + sum_k prod_{j<=k} acc_j, which treats positions as
+  independent; ``prefix_acceptance_length`` = 1 + mean over drafts of the number of leading
+  correct positions (a run stops at the first wrong or unlabelled position), the exact
+  teacher-forced value for the sampled drafts. Both count OOV labels as wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LossKind = Literal["tokens", "target_logits"]
+
+
+def dflash_position_weights(block_size: int, gamma: float) -> Tensor:
+    """[B] w_0 = 0 (the anchor slot), w_k = exp(-(k-1)/gamma) for k = 1..B-1."""
+    k = torch.arange(block_size, dtype=torch.float)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-item CE [...] to draft-vocab labels; 0 where label < 0 (OOV or unlabelled)."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    ce = F.cross_entropy(flat, labels.reshape(-1).clamp_min(0), reduction="none")
+    return ce.view(labels.shape) * (labels >= 0)
+
+
+def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
+    """Per-item ``-sum p_target log_softmax(logits)`` [...]."""
+    p = torch.softmax(target_logits.float(), dim=-1)
+    return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+@dataclass
+class DraftMetrics:
+    """Sums over the drafts of one batch (add them across ranks before dividing).
+
+    correct, counts: [K] per draft position, labelled positions and correct ones among them.
+    prefix_sum: total leading-correct run length; num_drafts: drafts counted.
+    """
+
+    correct: Tensor
+    counts: Tensor
+    prefix_sum: Tensor
+    num_drafts: Tensor
+
+    @property
+    def accuracy(self) -> Tensor:
+        return self.correct.float() / self.counts.clamp_min(1).float()
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + float(torch.cumprod(self.accuracy, 0).sum())
+
+    @property
+    def prefix_acceptance_length(self) -> float:
+        return 1.0 + float(self.prefix_sum) / max(1, int(self.num_drafts))
+
+    def as_dict(self) -> dict[str, float]:
+        out = {f"acc_{k + 1}": float(a) for k, a in enumerate(self.accuracy)}
+        out["acceptance_length"] = self.acceptance_length
+        out["prefix_acceptance_length"] = self.prefix_acceptance_length
+        return out
+
+
+def draft_metrics(pred: Tensor, labels: Tensor, labelled: Tensor, draft_valid: Tensor) -> DraftMetrics:
+    """pred/labels [N, K] draft ids (label -1 = OOV, counted wrong); labelled [N, K] bool
+    (a data token exists and is loss-masked); draft_valid [N] bool (real draft, not padding)."""
+    labelled = labelled & draft_valid[:, None]
+    hit = (pred == labels) & (labels >= 0) & labelled
+    run = torch.cumprod(hit.long(), dim=1).sum(1)
+    return DraftMetrics(
+        correct=hit.sum(0).detach(),
+        counts=labelled.sum(0).detach(),
+        prefix_sum=(run * draft_valid).sum().detach(),
+        num_drafts=draft_valid.sum().detach(),
+    )
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor  # scalar, differentiable
+    metrics: DraftMetrics
+
+
+def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
+    total = weights.sum()
+    return (values * weights).sum() / total.clamp_min(1e-12) if total > 0 else values.sum() * 0.0
+
+
+def ttt_weight(decay: float, step: int) -> float:
+    return math.pow(decay, step)

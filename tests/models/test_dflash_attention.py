@@ -1,0 +1,178 @@
+"""DFlash mask semantics against a naive per-query loop, the flex path, and memory growth."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from draftflow.models.common import PackedBatch
+from draftflow.models.dflash import DFlashConfig, DFlashDrafter, sample_anchors
+from draftflow.models.dflash.attention import dflash_attention
+
+B = 4
+
+
+def tiny_config(**kw) -> DFlashConfig:
+    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                vocab_size=97, draft_vocab_size=97, num_context_layers=2, block_size=B, mask_token_id=3,
+                rope_theta=10000.0)
+    return DFlashConfig(**{**base, **kw})
+
+
+def packed_example(seed: int = 0):
+    """Two rows, documents of uneven length, positions restarting per document."""
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.tensor([[0] * 9 + [1] * 14 + [2] * 7, [4] * 17 + [6] * 13])
+    t = doc.shape[1]
+    ids = torch.randint(5, 97, doc.shape, generator=g)
+    mask = (torch.rand(doc.shape, generator=g) < 0.8).long()
+    return PackedBatch(ids, torch.randn(2, t, 2, 32, generator=g), mask, doc)
+
+
+def naive_visible_context(doc, pos, b, anchor):
+    """The rule, stated without ranges: same document and position strictly before the anchor."""
+    return [t for t in range(doc.shape[1]) if doc[b, t] == doc[b, anchor] and pos[b, t] < pos[b, anchor]]
+
+
+def naive_dflash(q, k, v, ctx_k, ctx_v, doc, pos, anchors, valid, scale):
+    bt, a, bs, nh, hd = q.shape
+    g = nh // k.shape[-2]
+    out = torch.zeros_like(q)
+    for b in range(bt):
+        for i in range(a):
+            ctx = naive_visible_context(doc, pos, b, int(anchors[b, i])) if valid[b, i] else []
+            for j in range(bs):
+                for h in range(nh):
+                    keys = torch.cat([ctx_k[b, ctx, h // g], k[b, i, :, h // g]])  # context + whole block
+                    values = torch.cat([ctx_v[b, ctx, h // g], v[b, i, :, h // g]])
+                    out[b, i, j, h] = torch.softmax(keys @ q[b, i, j, h] * scale, 0) @ values
+    return out
+
+
+def blocks_for(batch, model, max_anchors=16, seed=0):
+    start, end, pos = batch.documents()
+    anchors, valid = sample_anchors(batch.loss_mask, start, end, B, max_anchors, torch.Generator().manual_seed(seed))
+    return (start, end, pos, anchors, valid, *model.make_blocks(batch.input_ids, pos, start, anchors, valid))
+
+
+def test_sampled_anchors_respect_documents_loss_mask_and_block_room():
+    batch = packed_example()
+    start, end, _ = batch.documents()
+    anchors, valid = sample_anchors(batch.loss_mask, start, end, B, 1000, torch.Generator().manual_seed(0))
+    ok = batch.loss_mask.bool() & (torch.arange(30) > start) & (torch.arange(30) + B <= end)
+    for b in range(2):
+        chosen = anchors[b][valid[b]].tolist()
+        assert chosen == sorted(chosen) == ok[b].nonzero().flatten().tolist()  # all of them, sorted
+    few, few_valid = sample_anchors(batch.loss_mask, start, end, B, 3, torch.Generator().manual_seed(1))
+    assert few.shape == (2, 3) and few_valid.all() and ok.gather(1, few).all()
+
+
+def test_dflash_attention_equals_naive_per_query_reference():
+    torch.manual_seed(0)
+    batch = packed_example()
+    model = DFlashDrafter(tiny_config())
+    start, end, pos, anchors, valid, _, _, lo, hi = blocks_for(batch, model)
+    a, t, nh, nkv, hd = anchors.shape[1], 30, 4, 2, 8
+    q, k, v = torch.randn(2, a, B, nh, hd), torch.randn(2, a, B, nkv, hd), torch.randn(2, a, B, nkv, hd)
+    ck, cv = torch.randn(2, t, nkv, hd), torch.randn(2, t, nkv, hd)
+    ref = naive_dflash(q, k, v, ck, cv, batch.doc_ids, pos, anchors, valid, 0.35)
+    dense = dflash_attention(q, k, v, ck, cv, lo, hi, 0.35, "dense")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flex = dflash_attention(q, k, v, ck, cv, lo, hi, 0.35, "flex")
+    torch.testing.assert_close(dense, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(flex, ref, rtol=0, atol=1e-5)
+
+
+def test_model_visibility_through_the_whole_drafter():
+    """Gradients of each slot's output w.r.t. the target states are non-zero exactly on the
+    anchor's document before the anchor (2 layers, so also no leak through layer 2); a
+    change of any block token changes every slot of that block and no other block."""
+    torch.manual_seed(0)
+    batch = packed_example()
+    model = DFlashDrafter(tiny_config()).eval()
+    start, end, pos, anchors, valid, ids, bpos, lo, hi = blocks_for(batch, model, max_anchors=6)
+    hidden = batch.hidden_states.clone().requires_grad_(True)
+    out = model(ids, bpos, model.fuse_context(hidden), pos, lo, hi)
+    probe = torch.randn_like(out)
+    for b, i in torch.nonzero(valid).tolist():
+        visible = naive_visible_context(batch.doc_ids, pos, b, int(anchors[b, i]))
+        for j in range(B):
+            (grad,) = torch.autograd.grad((out[b, i, j] * probe[b, i, j]).sum(), hidden, retain_graph=True)
+            seen = grad.abs().flatten(2).amax(-1) > 0  # [Bt, T]
+            assert seen[b].nonzero().flatten().tolist() == visible, (b, i, j)
+            assert not seen[1 - b].any()
+    with torch.no_grad():
+        base = model(ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi)
+        for b, i in torch.nonzero(valid).tolist()[:6]:
+            for j in range(B):
+                changed_ids = ids.clone()
+                changed_ids[b, i, j] = (changed_ids[b, i, j] + 1) % 97
+                diff = (model(changed_ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi) - base)
+                diff = diff.abs().amax(-1) > 1e-6  # [Bt, A, B]
+                assert diff[b, i].all(), (b, i, j)  # non-causal: every slot sees slot j
+                diff[b, i] = False
+                assert not diff.any()  # blocks never see each other
+
+
+class LargestTensors(TorchDispatchMode):
+    """Records the shape of every tensor any op (forward or backward) produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(x.shape) for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        return out
+
+
+def _training_step_shapes(num_anchors: int, t: int = 48) -> list[tuple[int, ...]]:
+    from draftflow.models.dflash.model import dflash_loss
+
+    torch.manual_seed(0)
+    model = DFlashDrafter(tiny_config(block_size=8, draft_vocab_size=97))
+    ids = torch.randint(5, 97, (1, t))
+    batch = PackedBatch(ids, torch.randn(1, t, 2, 32), torch.ones(1, t, dtype=torch.long))
+    # Many anchors over a short context: repeat every possible anchor so A·B >> T.
+    start, end, _ = batch.documents()
+    anchors, valid = sample_anchors(batch.loss_mask, start, end, 8, t, None)
+    reps = -(-num_anchors // anchors.shape[1])
+    anchors, valid = anchors.repeat(1, reps)[:, :num_anchors], valid.repeat(1, reps)[:, :num_anchors]
+    with LargestTensors() as rec:
+        dflash_loss(model, batch, gamma=4.0, max_anchors=num_anchors, anchors=(anchors, valid)).loss.backward()
+    return rec.shapes
+
+
+def test_no_quadratic_tensor_in_anchors():
+    """Forward + backward at A·B = 2048 and 8192 query slots over a 48-token context: no
+    tensor has two dims >= A·B (so no [A·B, A·B] nor [A·B, T + A·B]), and the largest tensor
+    grows linearly with the number of anchors."""
+    sizes = {}
+    for anchors in (256, 1024):
+        shapes = _training_step_shapes(anchors)
+        qb = anchors * 8
+        assert not [s for s in shapes if sum(d >= qb for d in s) >= 2], f"quadratic tensor at A={anchors}"
+        sizes[anchors] = max(torch.Size(s).numel() for s in shapes)
+    assert sizes[1024] <= 4.5 * sizes[256], sizes
+
+
+def test_training_blocks_equal_vllm_style_proposals_on_the_truncated_context():
+    """A block trained at anchor a computes exactly what propose() (vLLM's schedule, checked
+    against vLLM in test_vllm_parity) computes with the document's states before a as context."""
+    torch.manual_seed(0)
+    batch = packed_example()
+    model = DFlashDrafter(tiny_config()).eval()
+    start, end, pos, anchors, valid, ids, bpos, lo, hi = blocks_for(batch, model)
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi))
+        for b, i in torch.nonzero(valid).tolist():
+            a = int(anchors[b, i])
+            s = int(start[b, a])
+            _, ref = model.propose(batch.hidden_states[b:b + 1, s:a], batch.input_ids[b:b + 1, a],
+                                   position_ids=pos[b:b + 1, s:a], return_logits=True)
+            torch.testing.assert_close(logits[b, i, 1:], ref[0], rtol=0, atol=1e-5)
