@@ -1,0 +1,1 @@
+"""Training drafters from the shard store; `python -m draftflow.train` is the torchrun entry point."""

@@ -1,0 +1,89 @@
+"""Train the recipe's drafter. Run by torchrun; knows nothing about Prefect.
+
+    # CPU, one process
+    python -m draftflow.train recipes/smollm2-135m-dflash-cpu.yaml
+    # CPU, two processes (gloo)
+    torchrun --nproc-per-node 2 -m draftflow.train recipes/smollm2-135m-dflash-cpu.yaml
+    # one node, 8 GPUs (NCCL, bf16 autocast)
+    torchrun --nproc-per-node 8 -m draftflow.train recipes/qwen3-8b-dflash.yaml
+    # several nodes: the recipe's training.rdzv_endpoint, on every node
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint head:29400 \\
+        -m draftflow.train recipes/gemma-4-31b-dflash.yaml
+
+Rerunning the same command (same --run-id) resumes from the newest complete checkpoint.
+SIGTERM writes a checkpoint, then exits with code 143.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+RESULT_PREFIX = "DRAFTFLOW_RESULT "
+EXIT_INTERRUPTED = 143
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m draftflow.train", description="Train the recipe's drafter.")
+    p.add_argument("recipe")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--run-id", default="default", help="runs with the same id resume each other")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    p.add_argument("--no-export", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from draftflow.paths import RunLayout
+    from draftflow.plan import Plan
+    from draftflow.sample_source import open_source
+    from draftflow.train import drafter, loop
+    from draftflow.train.runtime import init_runtime, shutdown
+
+    plan = Plan.load(args.recipe, args.overrides)
+    training = plan.recipe.training
+    runtime = init_runtime(training.device)
+    try:
+        layout = RunLayout.for_run(training.run_dir, plan.recipe.name, plan.fingerprint, args.run_id)
+        if runtime.is_main:  # builds and caches the draft vocabulary; the others then read it
+            setup = drafter.build(plan, is_main=True)
+        runtime.barrier()
+        if not runtime.is_main:
+            setup = drafter.build(plan, is_main=False)
+        source = open_source(plan)
+        result = loop.train(setup, source, layout, runtime, training, max_steps=args.max_steps)
+        export_dir = None
+        if runtime.is_main and not result.interrupted and not args.no_export:
+            export_dir = _export(setup, plan, layout.export_dir, argv)
+        if runtime.is_main:
+            summary = {"steps": result.steps, "resumed_from": result.resumed_from,
+                       "interrupted": result.interrupted, "run_dir": layout.root,
+                       "export_dir": export_dir, "metrics": result.last_metrics}
+            print(RESULT_PREFIX + json.dumps(summary), flush=True)
+        return EXIT_INTERRUPTED if result.interrupted else 0
+    finally:
+        shutdown(runtime)
+
+
+def _export(setup, plan, export_url: str, argv) -> str:
+    import fsspec
+
+    from draftflow.train import drafter
+
+    command = [sys.executable, "-m", "draftflow.train", *(argv if argv is not None else sys.argv[1:])]
+    fs, path = fsspec.core.url_to_fs(export_url)
+    if fs.protocol in ("file", "local") or "file" in fs.protocol:
+        drafter.export(setup, plan, Path(path), command=command)
+        return path
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter.export(setup, plan, Path(tmp), command=command)
+        fs.put(tmp + "/", path, recursive=True)
+    return export_url
+
+
+if __name__ == "__main__":
+    sys.exit(main())

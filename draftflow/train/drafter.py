@@ -1,0 +1,149 @@
+"""The drafter a recipe asks for: built from the target, trained by one loss, exported.
+
+This is the only trainer module that knows the two algorithms apart; the loop sees a
+model and a loss function.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from draftflow.models import algorithm
+from draftflow.models.common import PackedBatch
+from draftflow.models.losses import LossOutput
+from draftflow.models.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
+from draftflow.paths import EXPORT_COMMAND, EXPORT_RECIPE
+from draftflow.plan import Plan
+from draftflow.train.batches import LayerSelection
+
+LossFn = Callable[[nn.Module, PackedBatch, torch.Generator | None], LossOutput]
+
+
+@dataclass
+class DrafterSetup:
+    model: nn.Module
+    loss_fn: LossFn
+    layers: LayerSelection
+    with_last: bool
+    vocab: DraftVocab | None
+    mask_token_id: int | None
+
+
+def layer_selection(plan: Plan) -> LayerSelection:
+    ids = list(plan.layer_ids)
+    last = plan.target.num_layers
+    return LayerSelection(
+        context=tuple(ids.index(i) for i in plan.context_layer_ids),
+        last=ids.index(last) if last in ids else None,
+    )
+
+
+def draft_vocab(plan: Plan, *, storage_options: dict | None = None, write_cache: bool = True) -> DraftVocab | None:
+    """The top-k vocabulary over loss-masked train tokens, cached per size and data fingerprint."""
+    from draftflow.data.dataset import load_token_counts
+    from draftflow.models.vocab import counts_tensor
+
+    size = plan.recipe.drafter.draft_vocab_size
+    if size is None or size >= plan.target.vocab_size:
+        return None
+    path = plan.data.draft_vocab(size)
+    try:
+        return load_draft_vocab(path, draft_vocab_size=size, fingerprint=plan.fingerprint,
+                                storage_options=storage_options)
+    except FileNotFoundError:
+        pass
+    counts = counts_tensor(load_token_counts(plan.data, storage_options), plan.target.vocab_size)
+    vocab = build_draft_vocab(counts, plan.target.vocab_size, size)
+    if write_cache:
+        save_draft_vocab(vocab, path, fingerprint=plan.fingerprint, storage_options=storage_options)
+    return vocab
+
+
+def mask_token(plan: Plan) -> int:
+    from transformers import AutoTokenizer
+
+    from draftflow.models.dflash.config import resolve_mask_token_id
+
+    override = plan.recipe.drafter.mask_token_id
+    if override is not None:
+        return override
+    tokenizer = AutoTokenizer.from_pretrained(plan.target_model, revision=plan.recipe.target.revision)
+    return resolve_mask_token_id(tokenizer)
+
+
+def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = True) -> DrafterSetup:
+    spec = plan.recipe.drafter
+    training = plan.recipe.training
+    layers = layer_selection(plan)
+    with_last = training.loss == "target_logits"
+    vocab = draft_vocab(plan, storage_options=storage_options, write_cache=is_main)
+    head = None
+    if with_last:
+        from draftflow.models.target_weights import TargetHead
+
+        head = TargetHead.from_pretrained(plan.target_model, vocab)
+    # Every rank must start from the same weights: seed the initialisation itself.
+    torch.manual_seed(training.seed)
+    if spec.kind == "dflash":
+        mod = algorithm("dflash")
+        mask = mask_token(plan)
+        model = mod.model.DFlashDrafter.from_target(
+            plan.target_model, num_layers=spec.num_layers, block_size=spec.block_size, mask_token_id=mask,
+            num_context_layers=len(layers.context), vocab=vocab,
+        )
+
+        def loss_fn(m, batch, generator):
+            return mod.model.dflash_loss(m, batch, max_anchors=spec.max_anchors, gamma=spec.decay_gamma,
+                                         loss=training.loss, target_head=head, generator=generator)
+    else:
+        mod = algorithm("eagle3")
+        mask = None
+        model = mod.model.Eagle3Drafter.from_target(plan.target_model, num_aux_layers=len(layers.context), vocab=vocab)
+
+        def loss_fn(m, batch, generator):
+            return mod.model.eagle3_loss(m, batch, steps=spec.ttt_steps, decay=spec.ttt_decay,
+                                         loss=training.loss, target_head=head)
+    return DrafterSetup(model, loss_fn, layers, with_last, vocab, mask)
+
+
+def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: list[str] | None = None) -> Path:
+    """The speculators folder vLLM serves, plus the resolved recipe, command and provenance."""
+    from draftflow.evaluation.contract import write_provenance
+
+    spec = plan.recipe.drafter
+    out = Path(out_dir)
+    kind = algorithm(spec.kind)
+    extra = {"speculative_tokens": spec.speculative_tokens} if spec.kind == "eagle3" else {}
+    kind.checkpoint.export(
+        setup.model, out, verifier_name_or_path=plan.target_model,
+        verifier_architectures=list(plan.target.architectures), aux_layer_ids=list(plan.context_layer_ids), **extra,
+    )
+    (out / EXPORT_RECIPE).write_text(yaml.safe_dump(json.loads(plan.recipe.model_dump_json()), sort_keys=False))
+    (out / EXPORT_COMMAND).write_text(shlex.join(command or [sys.executable, "-m", "draftflow.train",
+                                                             plan.recipe_path, *sum((["--set", o] for o in plan.overrides), [])]) + "\n")
+    d2t = setup.model.d2t if setup.vocab is not None else None
+    write_provenance(
+        out,
+        recipe_name=plan.recipe.name,
+        fingerprint=plan.fingerprint,
+        drafter=spec.kind,
+        verifier=plan.target_model,
+        extracted_layer_ids=list(plan.layer_ids),
+        aux_layer_ids=list(plan.context_layer_ids),
+        mask_token_id=setup.mask_token_id,
+        draft_vocab_size=setup.vocab.draft_vocab_size if setup.vocab is not None else None,
+        d2t=d2t,
+        speculative_tokens=spec.speculative_tokens,
+        target_hidden_size=plan.target.hidden_size,
+        target_vocab_size=plan.target.vocab_size,
+    )
+    return out

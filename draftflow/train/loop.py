@@ -1,0 +1,191 @@
+"""The training loop: AdamW, warm-up + decay, clipping, data parallel, checkpoints, resume, SIGTERM.
+
+Each pack of a step is a micro-batch whose loss is a mean over its own labelled tokens;
+a step averages its packs (DDP averages over ranks), so N processes with batch b compute
+exactly what one process with batch N·b computes. Anchors are drawn from a generator
+seeded by (seed, step, pack index in the global step) for the same reason.
+
+Data parallelism averages gradients with one flattened all-reduce per step rather than
+through DistributedDataParallel: the drafters' losses call model methods other than
+`forward` (context fusion, block building), which DDP's wrapper does not see.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from draftflow.paths import RunLayout
+from draftflow.train import checkpointing
+from draftflow.train.batches import Source, StepLoader, StepPlan
+from draftflow.train.drafter import DrafterSetup
+from draftflow.train.metrics import MetricsLog
+from draftflow.train.runtime import Runtime
+from draftflow.train.schedule import lr_factor
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    resumed_from: str | None
+    interrupted: bool
+    last_metrics: dict
+
+
+class _Stop:
+    """Set by SIGTERM; the loop checkpoints at the end of the current step and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def anchor_generator(seed: int, step: int, pack_index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + step) * 10_007 + pack_index)
+    return g
+
+
+def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runtime, training,
+          max_steps: int | None = None) -> LoopResult:
+    """`training` is the recipe's TrainingSection."""
+    torch.manual_seed(training.seed)
+    model = setup.model.to(runtime.device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    plan = StepPlan.build(source.items(), epochs=training.epochs, seed=training.seed,
+                          pack_length=training.pack_length, batch_size=training.batch_size,
+                          world_size=runtime.world_size)
+    optimizer = torch.optim.AdamW(trainable, lr=training.lr, weight_decay=training.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, plan.total_steps, training.warmup_ratio, training.schedule))
+
+    state = checkpointing.TrainState()
+    resumed = checkpointing.newest_complete(layout)
+    if resumed:
+        state = checkpointing.restore(resumed, model, optimizer, scheduler)
+    metrics = MetricsLog(layout.metrics, enabled=runtime.is_main)
+    metrics.truncate_after(state.step)
+
+    loader = StepLoader(plan, source, setup.layers, rank=runtime.rank, world_size=runtime.world_size,
+                        with_last=setup.with_last, start_epoch=state.epoch, start_step=state.epoch_step)
+    stop = _Stop()
+    last: dict = {}
+    window = _Window()
+    try:
+        for batch in loader:
+            if max_steps is not None and state.step >= max_steps:
+                break
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            stats = None
+            loss_sum = torch.zeros((), device=runtime.device)
+            for packed, gidx in zip(batch.packs, batch.global_index):
+                packed = _to(packed, runtime.device)
+                gen = anchor_generator(training.seed, state.step, gidx, runtime.device)
+                with runtime.autocast():
+                    out = setup.loss_fn(model, packed, gen)
+                (out.loss / training.batch_size).backward()
+                loss_sum += out.loss.detach()
+                stats = out.metrics if stats is None else _add(stats, out.metrics)
+            average_gradients(trainable, runtime)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, training.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            state.epoch, state.epoch_step = batch.epoch, batch.epoch_step + 1
+            window.add(time.perf_counter() - t0, batch.tokens, loss_sum / training.batch_size, stats, loader.wait_s)
+            loader.wait_s = 0.0
+
+            end_of_epoch = state.epoch_step == plan.steps_per_epoch
+            if state.step % training.log_every == 0 or end_of_epoch:
+                last = window.record(state, runtime, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+                                     total_steps=plan.total_steps)
+                metrics.log(last)
+            if end_of_epoch:
+                state.epoch, state.epoch_step = state.epoch + 1, 0
+            if stop.requested or end_of_epoch or (training.checkpoint_every and state.step % training.checkpoint_every == 0):
+                if runtime.is_main:
+                    checkpointing.save(layout, model, optimizer, scheduler, state)
+                    metrics.flush()
+                runtime.barrier()
+            if stop.requested:
+                return LoopResult(state.step, resumed, True, last)
+    finally:
+        stop.restore()
+    return LoopResult(state.step, resumed, False, last)
+
+
+def average_gradients(params: list[torch.nn.Parameter], runtime: Runtime) -> None:
+    if not runtime.distributed:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    runtime.all_reduce_sum(flat)
+    flat /= runtime.world_size
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(g).clone()
+        offset += n
+
+
+def _to(batch, device):
+    from dataclasses import fields, replace
+
+    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+                             if getattr(batch, f.name) is not None})
+
+
+def _add(a, b):
+    from dataclasses import fields, replace
+
+    return replace(a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)})
+
+
+class _Window:
+    """Accumulates steps between two log lines; reduces across ranks when logging."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.steps, self.seconds, self.tokens, self.wait = 0, 0.0, 0, 0.0
+        self.loss = 0.0
+        self.stats = None
+
+    def add(self, seconds, tokens, loss, stats, wait):
+        self.steps += 1
+        self.seconds += seconds + wait
+        self.wait += wait
+        self.tokens += tokens
+        self.loss += float(loss)
+        self.stats = stats if self.stats is None else _add(self.stats, stats)
+
+    def record(self, state, runtime: Runtime, **extra) -> dict:
+        from dataclasses import fields, replace
+
+        s = self.stats
+        reduced = replace(s, **{f.name: runtime.all_reduce_sum(getattr(s, f.name).clone().float())
+                                for f in fields(s)})
+        totals = runtime.all_reduce_sum(torch.tensor([self.loss, float(self.tokens)]))
+        record = {
+            "step": state.step,
+            "epoch": state.epoch,
+            "loss": float(totals[0]) / (self.steps * runtime.world_size),
+            "tokens_per_s": float(totals[1]) / max(self.seconds, 1e-9),
+            "data_wait_frac": self.wait / max(self.seconds, 1e-9),
+            "acc": [round(float(a), 4) for a in reduced.accuracy],
+            "acceptance_length": reduced.acceptance_length,
+            **extra,
+        }
+        self.reset()
+        return record

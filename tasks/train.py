@@ -1,0 +1,82 @@
+"""Task: run training as a torchrun subprocess and stream its metrics into Prefect.
+
+torchrun is a process boundary: the trainer knows nothing about Prefect. This task reads
+the trainer's JSON metric lines from stdout, logs them, keeps a progress artifact up to
+date, and fails with the tail of stderr when torchrun fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import threading
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from draftflow.plan import Plan
+from draftflow.train.__main__ import RESULT_PREFIX
+from draftflow.train.metrics import parse_line
+
+
+def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> list[str]:
+    t = plan.recipe.training
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc}", f"--nnodes={t.nnodes}"]
+    if t.nnodes > 1:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}"]
+    else:
+        cmd += ["--standalone"]
+    cmd += ["-m", "draftflow.train", plan.recipe_path, "--run-id", run_id]
+    for override in plan.overrides:
+        cmd += ["--set", override]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    return cmd
+
+
+@task(name="train-drafter", tags=["draftflow-gpu-training"])
+def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int | None = None) -> dict:
+    """Returns the trainer's result line: steps, run_dir, export_dir, last metrics."""
+    logger = get_run_logger()
+    plan = Plan.load(recipe, overrides)
+    cmd = torchrun_command(plan, run_id, max_steps)
+    logger.info("training: %s", " ".join(cmd))
+    progress = create_progress_artifact(progress=0.0, key=_key(plan, "training-progress"),
+                                        description=f"training {plan.recipe.name}")
+    stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
+    drain.start()
+    rows, result = [], None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        record = parse_line(line)
+        if record is not None:
+            rows.append(record)
+            logger.info("step %(step)s epoch %(epoch)s loss %(loss).4f acc %(acc)s tok/s %(tokens_per_s).0f", record)
+            total = record.get("total_steps") or 0
+            if total:
+                update_progress_artifact(progress, progress=100.0 * record["step"] / total)
+        elif line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+    code = proc.wait()
+    drain.join(timeout=5)
+    if code != 0 or result is None:
+        raise RuntimeError(f"torchrun exited with {code}; stderr tail:\n" + "".join(stderr_tail))
+    update_progress_artifact(progress, progress=100.0)
+    if rows:
+        create_table_artifact(
+            key=_key(plan, "training-metrics"),
+            table=[{"step": r["step"], "epoch": r["epoch"], "loss": round(r["loss"], 4),
+                    **{f"acc_{i + 1}": a for i, a in enumerate(r["acc"])},
+                    "acceptance_length": round(r["acceptance_length"], 3)} for r in rows],
+            description="training loss and per-position accuracy",
+        )
+    return result
+
+
+def _key(plan: Plan, what: str) -> str:
+    # Artifact keys allow lowercase letters, digits and dashes only.
+    return f"{plan.recipe.name}-{what}".lower().replace(".", "-").replace("_", "-")
