@@ -7,7 +7,7 @@ import sys
 
 from draftflow.recipe.load import RecipeError
 
-COMMAND_MODULES = ("recipes",)
+COMMAND_MODULES = ("recipes", "extract", "store", "evaluate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,34 @@ def add_overrides(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="dotted override validated like the file, e.g. --set drafter.block_size=16 (repeatable)",
     )
+
+
+def add_storage_options(parser: argparse.ArgumentParser) -> None:
+    from draftflow.process_env import STORAGE_OPTIONS_ENV
+
+    parser.add_argument(
+        "--storage-options", dest="storage_options", default=None, metavar="JSON",
+        help="fsspec options of the store as a JSON object, e.g. "
+        "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'; "
+        f"default: ${STORAGE_OPTIONS_ENV} (use the variable for credentials: argv is visible to `ps`)",
+    )
+
+
+def storage_options(args: argparse.Namespace) -> dict:
+    """--storage-options, else the environment variable, else none."""
+    import json
+
+    from draftflow.process_env import storage_options_from_env
+
+    if args.storage_options is None:
+        return storage_options_from_env()
+    try:
+        value = json.loads(args.storage_options)
+    except json.JSONDecodeError as err:
+        raise RecipeError(f"--storage-options is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise RecipeError("--storage-options must be a JSON object")
+    return value
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:

@@ -104,15 +104,23 @@ def read_report(layout: DataLayout, storage_options: dict | None = None) -> dict
         return json.load(f)
 
 
-def load_prepared(layout: DataLayout, split: str | None = None, storage_options: dict | None = None) -> pa.Table:
-    """The samples table (schema :data:`SAMPLES_SCHEMA`), optionally only one split."""
+def load_prepared(
+    layout: DataLayout,
+    split: str | None = None,
+    storage_options: dict | None = None,
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """The samples table (schema :data:`SAMPLES_SCHEMA`), optionally only one split and some columns.
+
+    ``columns`` lets extraction skip the message text, the largest column after the tokens.
+    """
     if split not in (None, TRAIN, EVAL):
         raise ValueError(f"split must be {TRAIN!r}, {EVAL!r} or None, not {split!r}")
     if not is_prepared(layout, storage_options):
         raise FileNotFoundError(f"no complete prepared data in {layout.prepared_dir} (never prepared, or interrupted)")
     fs, path = _fs(layout.samples, storage_options)
     filters = [("split", "=", split)] if split else None
-    return pq.read_table(path, filesystem=fs, filters=filters, schema=SAMPLES_SCHEMA)
+    return pq.read_table(path, filesystem=fs, filters=filters, schema=SAMPLES_SCHEMA, columns=columns)
 
 
 def load_token_counts(layout: DataLayout, storage_options: dict | None = None) -> dict[int, int]:

@@ -10,9 +10,10 @@ The file protocol (lock, read, validate, delete) is in :mod:`draftflow.vllm.hidd
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -135,6 +136,9 @@ class VLLMClient:
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.lock_timeout_s, self.exclusive_lock = lock_timeout_s, exclusive_lock
         self.concurrency = concurrency
+        # Folders the servers wrote hidden-state files to (from the paths they returned), so a
+        # caller can sweep files that killed clients left behind (hidden_states_file.sweep_stale).
+        self.staging_dirs: set[str] = set()
         self._limits = {e: asyncio.Semaphore(concurrency) for e in self.endpoints}
         self._model_names: dict[str, str] = {}
         self._http = httpx.AsyncClient(
@@ -221,6 +225,7 @@ class VLLMClient:
                 json=completion_payload(model, prompt), headers={"X-Request-Id": request_id},
             )
             path = hidden_states_path(_json(response, ep), ep, prompt)
+            self.staging_dirs.add(os.path.dirname(path))
             # Lock waits and file reads block: keep them off the event loop.
             tokens, hidden = await asyncio.to_thread(
                 read_hidden_states, path, prompt, self.num_layers, self.hidden_size,
@@ -229,14 +234,19 @@ class VLLMClient:
         return ExtractedSample(tokens, hidden, ep, request_id)
 
     async def extract_many(
-        self, samples: Iterable[tuple[str, Sequence[int]]], *, return_exceptions: bool = True
+        self,
+        samples: Iterable[tuple[str, Sequence[int]]],
+        *,
+        return_exceptions: bool = True,
+        on_result: Callable[[int, ExtractedSample | VLLMError], None] | None = None,
     ) -> list[ExtractedSample | VLLMError]:
         """Data-parallel extraction of (sample_id, token_ids) pairs over every endpoint.
 
         Each endpoint runs `concurrency` workers that pull from one shared queue, so faster
         endpoints take more samples. Results come back in input order; with
         `return_exceptions`, a failed sample's slot holds its error (and the rest continue),
-        otherwise the first failure cancels the others and is raised.
+        otherwise the first failure cancels the others and is raised. `on_result(index,
+        result)` is called as each sample finishes (progress reporting).
         """
         items = list(samples)
         results: list[ExtractedSample | VLLMError | None] = [None] * len(items)
@@ -257,6 +267,8 @@ class VLLMClient:
                     if not return_exceptions:
                         raise
                     results[i] = err
+                if on_result is not None:
+                    on_result(i, results[i])
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -304,6 +316,7 @@ class VLLMClient:
         # An extraction server writes a file for chat requests too; nobody else would delete it.
         path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path:
+            self.staging_dirs.add(os.path.dirname(path))
             await asyncio.to_thread(discard_hidden_states, path, self.lock_timeout_s)
         choice, usage = body["choices"][0], body.get("usage") or {}
         return ChatReply(

@@ -127,3 +127,38 @@ def discard_hidden_states(path: str, lock_timeout_s: float = 60.0) -> None:
     except InvalidHiddenStates:
         pass  # lock not visible here, or never released: delete what we can
     remove_hidden_states(path)
+
+
+def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> int:
+    """Delete hidden-state files nobody will read: older than ``older_than_s`` and not locked.
+
+    A client killed while its request was in flight never reads (or deletes) the file the
+    server writes for it, and the staging folder is often RAM (/dev/shm). The age bound must
+    exceed the longest request so that no live request's file is touched; a held lock means
+    the server is still writing. Returns how many files were removed.
+    """
+    now = time.time() if now is None else now
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if not name.endswith(".safetensors") or now - os.stat(path).st_mtime < older_than_s:
+                continue
+            fd = os.open(path + ".lock", os.O_RDONLY)
+        except FileNotFoundError:  # gone meanwhile, or a server without the lock: age alone decides
+            fd = None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            finally:
+                os.close(fd)
+        if os.path.exists(path):
+            remove_hidden_states(path)
+            removed += 1
+    return removed

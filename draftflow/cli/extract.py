@@ -1,0 +1,106 @@
+"""`draftflow extract RECIPE`: make the recipe's data folder complete, with a progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+from draftflow.extraction import ExtractionProgress
+
+_BAR_WIDTH = 24
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from draftflow.cli import add_overrides, add_storage_options
+    from draftflow.process_env import VLLM_API_KEY_ENV
+
+    p = sub.add_parser(
+        "extract",
+        help="extract the recipe's hidden states into its data folder (only missing, failed or corrupt shards)",
+        description="Checks (or starts, with vllm.launch) the vLLM server(s), prepares the data if needed, "
+        "reconciles the data folder with its manifest and extracts the shards that are not complete. "
+        f"The vLLM API key, if the servers need one, is read from ${VLLM_API_KEY_ENV}. Safe to interrupt "
+        "and rerun at any point.",
+    )
+    p.add_argument("recipe")
+    add_overrides(p)
+    add_storage_options(p)
+    p.add_argument("--no-verify", action="store_true",
+                   help="check existing shards by size only instead of re-hashing them (faster on big stores)")
+    p.set_defaults(func=cmd_extract)
+
+
+class ProgressBar:
+    """Progress on stderr: one line redrawn in place on a terminal (samples done/total, tokens/s,
+    failures); in a log (not a terminal), one plain line per stage and per committed shard."""
+
+    def __init__(self, stream: TextIO | None = None, interval_s: float = 0.2):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.interval_s = interval_s
+        self.last_draw = 0.0
+        self.open_line = False
+
+    def __call__(self, p: ExtractionProgress) -> None:
+        if p.event == "stage" and p.stage != "extract":
+            self.line(f"{p.stage}: {p.message}")
+            return
+        if p.event == "stage":
+            self.line(f"extract: {p.message}")
+        if not self.tty:
+            if p.event == "shard":
+                self.line(f"{self.render(p)}  {p.message}")
+            return
+        now = time.monotonic()
+        if p.event == "sample" and now - self.last_draw < self.interval_s and p.samples_done < p.samples_planned:
+            return
+        self.stream.write("\r" + self.render(p) + "\x1b[K")
+        self.stream.flush()
+        self.last_draw, self.open_line = now, True
+
+    @staticmethod
+    def render(p: ExtractionProgress) -> str:
+        filled = _BAR_WIDTH * p.samples_done // p.samples_planned if p.samples_planned else _BAR_WIDTH
+        return (
+            f"[{'#' * filled}{'-' * (_BAR_WIDTH - filled)}] {p.samples_done}/{p.samples_planned} samples, "
+            f"shards {p.shards_done}/{p.shards_planned}, {p.tokens_per_s:,.0f} tokens/s, {p.samples_failed} failed"
+        )
+
+    def line(self, text: str) -> None:
+        """A line of its own, after ending the bar's line if one is drawn."""
+        self.finish()
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.open_line:
+            self.stream.write("\n")
+            self.open_line = False
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from draftflow.cli import storage_options
+    from draftflow.data.regenerate import RegenerationError
+    from draftflow.extraction import run_extraction
+    from draftflow.plan import Plan
+    from draftflow.process_env import vllm_api_key_from_env
+    from draftflow.vllm.client import VLLMError
+    from draftflow.vllm.launch import ServerStartError
+
+    plan = Plan.load(args.recipe, args.overrides)
+    bar = ProgressBar()
+    bar.line(plan.describe())
+    try:
+        summary = run_extraction(
+            plan, storage_options=storage_options(args), api_key=vllm_api_key_from_env(),
+            progress=bar, verify=not args.no_verify,
+        )
+    except (VLLMError, ServerStartError, RegenerationError) as err:
+        bar.finish()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    bar.finish()
+    print(summary)
+    return 0 if summary.ok else 1

@@ -1,0 +1,166 @@
+"""The whole extraction stage in one process: servers, preparation, reconcile, missing shards."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from draftflow.data.chat import load_chat_encoder
+from draftflow.data.dataset import is_prepared
+from draftflow.data.prepare import aprepare
+from draftflow.data.regenerate import run_coroutine
+from draftflow.extraction.progress import ExtractionProgress, ExtractionSummary, ProgressTracker
+from draftflow.extraction.samples import train_set
+from draftflow.extraction.shards import ShardResult, extract_shard, make_client
+from draftflow.plan import Plan
+from draftflow.recipe.fingerprint import fingerprint_inputs
+from draftflow.store import PlannedShard, Store, reconcile
+from draftflow.vllm.client import VLLMClient
+from draftflow.vllm.hidden_states_file import sweep_stale
+from draftflow.vllm.server import ensure_running
+
+_RECIPE = object()  # run_extraction(launch=...) default: take the recipe's vllm.launch
+_STALE_STAGING_S = 600.0
+
+
+def run_extraction(
+    plan: Plan,
+    *,
+    storage_options: dict | None = None,
+    endpoints: Sequence[str] | None = None,
+    api_key: str | None = None,
+    launch: Any = _RECIPE,
+    progress: Callable[[ExtractionProgress], None] | None = None,
+    verify: bool = True,
+    shards_in_flight: int | None = None,
+    log_dir: str | None = None,
+) -> ExtractionSummary:
+    """Make the recipe's data folder complete: server, preparation, reconcile, missing shards only.
+
+    ``endpoints`` / ``launch`` default to the recipe's ``vllm`` section (``launch=None``: never
+    start a server). Shards are extracted ``shards_in_flight`` at a time (default two per
+    endpoint), each spread over all endpoints, so no server idles while a shard is written.
+    """
+    recipe = plan.recipe
+    store = Store(plan.data, dict(storage_options or {}))
+    urls = list(endpoints or recipe.vllm.endpoints)
+    tracker = ProgressTracker(progress)
+    tracker.stage("server", f"checking vLLM at {', '.join(urls)}")
+    handle = ensure_running(
+        urls, model=plan.target_model, layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size,
+        api_key=api_key, launch=recipe.vllm.launch if launch is _RECIPE else launch,
+        # The server computes in the stored dtype, so what is stored is what it computed.
+        dtype=recipe.extraction.dtype, log_dir=log_dir,
+    )
+    with handle:
+        summary = run_coroutine(_extract_missing(
+            plan, store, handle.endpoints, api_key, tracker, verify, shards_in_flight or 2 * len(urls)
+        ))
+    return summary.with_server(bool(handle.started), tuple(handle.unverified))
+
+
+async def _extract_missing(
+    plan: Plan, store: Store, endpoints: list[str], api_key: str | None, tracker: ProgressTracker,
+    verify: bool, shards_in_flight: int,
+) -> ExtractionSummary:
+    if not await asyncio.to_thread(is_prepared, store.layout, store.storage_options):
+        tracker.stage("prepare", f"preparing data in {store.layout.prepared_dir}")
+        await _prepare(plan, store, endpoints, api_key)
+    await asyncio.to_thread(_write_fingerprint, plan, store)
+    tracker.stage("reconcile", f"reconciling {store.layout.root}" + (" (re-hashing shards)" if verify else ""))
+    train = await asyncio.to_thread(train_set, store)
+    per_shard = plan.recipe.extraction.samples_per_shard
+    rec = await asyncio.to_thread(reconcile, store, train.expected(), per_shard, verify=verify)
+    tracker.begin(rec, len(train.positions))
+    results: list[ShardResult] = []
+    version, swept = None, 0
+    if rec.to_generate:
+        async with make_client(plan, endpoints, api_key) as client:
+            version = await client.version()
+            limit = asyncio.Semaphore(shards_in_flight)
+
+            async def one(shard: PlannedShard) -> ShardResult:
+                async with limit:
+                    result = await extract_shard(
+                        plan, store, shard, client, vllm_version=version, train=train, on_sample=tracker.sample
+                    )
+                tracker.shard_done(result)
+                return result
+
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(one(s)) for s in rec.to_generate]
+            except* Exception as errors:  # committed shards stay; a rerun does the rest
+                raise errors.exceptions[0] from None
+            results = [t.result() for t in tasks]
+            swept = await asyncio.to_thread(_sweep_staging, client, plan.recipe.extraction.request_timeout_s)
+    tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
+    return tracker.summary(store.layout.root, results, version)
+
+
+def prepare_data(
+    plan: Plan, endpoints: Sequence[str] | None = None, *, api_key: str | None = None,
+    storage_options: dict | None = None,
+) -> bool:
+    """Prepare the recipe's data folder unless it is complete; True when work was done.
+
+    With ``data.regenerate_responses`` the servers at ``endpoints`` (default: the recipe's) must
+    be up. For a flow that runs preparation as a task of its own before the shard tasks.
+    """
+    store = Store(plan.data, dict(storage_options or {}))
+    if is_prepared(store.layout, store.storage_options):
+        return False
+    run_coroutine(_prepare(plan, store, list(endpoints or plan.recipe.vllm.endpoints), api_key))
+    _write_fingerprint(plan, store)
+    return True
+
+
+async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str | None) -> None:
+    """Preparation, regenerating replies through the extraction servers when the recipe asks.
+
+    Regeneration requests on an extraction server also write hidden-state files; the client's
+    ``chat`` deletes them. Requests go round-robin over the endpoints.
+    """
+    data = plan.recipe.data
+    encoder = await asyncio.to_thread(load_chat_encoder, plan.recipe.target)
+    if not data.regenerate_responses:
+        await aprepare(data, store.layout, encoder, storage_options=store.storage_options)
+        return
+    per_endpoint = math.ceil(data.regenerate_concurrency / len(endpoints))
+    async with VLLMClient(
+        endpoints, api_key=api_key, concurrency=per_endpoint, retries=plan.recipe.extraction.request_retries,
+        timeout_s=plan.recipe.extraction.request_timeout_s,
+    ) as client:
+        turn = itertools.cycle(client.endpoints)
+
+        async def generate(messages: list[dict], max_tokens: int) -> str:
+            return await client.chat(messages, max_tokens, endpoint=next(turn))
+
+        await aprepare(
+            data, store.layout, encoder, generate=generate, storage_options=store.storage_options,
+            regenerate_timeout_s=plan.recipe.extraction.request_timeout_s,
+        )
+
+
+def _write_fingerprint(plan: Plan, store: Store) -> None:
+    """fingerprint.json: what the folder's fingerprint was computed from (for people, not code)."""
+    fs, path = store.fs(store.layout.fingerprint_file)
+    if fs.exists(path):
+        return
+    blob = json.dumps(
+        {"fingerprint": plan.fingerprint, "inputs": fingerprint_inputs(plan.recipe, list(plan.layer_ids))},
+        indent=2, sort_keys=True, default=str,
+    ).encode()
+    store.write_atomic(store.layout.fingerprint_file, lambda f: f.write(blob))
+
+
+def _sweep_staging(client: VLLMClient, request_timeout_s: float) -> int:
+    """Remove staging files that killed runs left (their clients never read them). Only files
+    far older than any request can be are touched, and only in folders the servers named."""
+    older_than_s = max(_STALE_STAGING_S, 2 * request_timeout_s)
+    return sum(sweep_stale(folder, older_than_s) for folder in sorted(client.staging_dirs) if os.path.isdir(folder))
