@@ -18,3 +18,8 @@ test: bootstrap
 
 test-fast: bootstrap
 	.venv/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Benchmarks print ratios against a baseline measured in the same run (see README).
+bench: bootstrap
+	.venv/bin/python bench/extraction.py
+	.venv/bin/python bench/train.py

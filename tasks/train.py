@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +20,8 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from draftflow.plan import Plan
 from draftflow.train.__main__ import RESULT_PREFIX
 from draftflow.train.metrics import parse_line
+from tasks import infra as infra_mod
+from tasks.infra import artifact_key
 
 
 def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> list[str]:
@@ -37,16 +40,19 @@ def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> l
 
 
 @task(name="train-drafter", tags=["draftflow-gpu-training"])
-def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int | None = None) -> dict:
+def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int | None = None,
+                  store_block: str | None = None, vllm_block: str | None = None) -> dict:
     """Returns the trainer's result line: steps, run_dir, export_dir, last metrics."""
     logger = get_run_logger()
-    plan = Plan.load(recipe, overrides)
+    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
+    plan = infra_mod.plan_for(recipe, infra)
     cmd = torchrun_command(plan, run_id, max_steps)
     logger.info("training: %s", " ".join(cmd))
-    progress = create_progress_artifact(progress=0.0, key=_key(plan, "training-progress"),
+    progress = create_progress_artifact(progress=0.0, key=artifact_key(plan, "training-progress"),
                                         description=f"training {plan.recipe.name}")
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
     drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
     drain.start()
     rows, result = [], None
@@ -68,7 +74,7 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
     update_progress_artifact(progress, progress=100.0)
     if rows:
         create_table_artifact(
-            key=_key(plan, "training-metrics"),
+            key=artifact_key(plan, "training-metrics"),
             table=[{"step": r["step"], "epoch": r["epoch"], "loss": round(r["loss"], 4),
                     **{f"acc_{i + 1}": a for i, a in enumerate(r["acc"])},
                     "acceptance_length": round(r["acceptance_length"], 3)} for r in rows],
@@ -76,7 +82,3 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
         )
     return result
 
-
-def _key(plan: Plan, what: str) -> str:
-    # Artifact keys allow lowercase letters, digits and dashes only.
-    return f"{plan.recipe.name}-{what}".lower().replace(".", "-").replace("_", "-")

@@ -1,0 +1,100 @@
+"""Tasks of the extraction stage: server, preparation, shard plan, one task per shard.
+
+Shard tasks persist their results and are cached on recipe fingerprint + shard id + the
+shard format version (not on the task's source, not on inputs alone). A flow run retried
+from the UI re-runs the whole flow: completed shards come from the cache, failed ones run
+again. The manifest stays the truth: a shard task first checks it, so a shard that is in
+the manifest is never regenerated even if the cache is gone.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import CacheKeyFnPolicy
+
+from draftflow.data.dataset import read_report
+from draftflow.extraction import expected_samples, extract_shard_by_id
+from draftflow.extraction.run import prepare_data as prepare_data_core
+from draftflow.paths import shard_id
+from draftflow.store import Store
+from draftflow.store.shard import FORMAT_VERSION
+from draftflow.vllm.server import ServerHandle, ensure_running
+from tasks import infra as infra_mod
+
+EXTRACTION_TAG = "draftflow-vllm-extraction"
+
+
+@task(name="check-or-start-vllm", retries=1, retry_delay_seconds=10)
+def check_or_start_vllm(recipe: str, overrides: list[str], store_block: str | None,
+                        vllm_block: str | None) -> ServerHandle:
+    """Healthy endpoints are checked (model, extraction, layers); dead ones started if the
+    recipe or block says how. The flow stops what was started here when it ends."""
+    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
+    plan = infra_mod.plan_for(recipe, infra)
+    r = plan.recipe
+    handle = ensure_running(
+        infra.endpoints or r.vllm.endpoints, model=plan.target_model, layer_ids=plan.layer_ids,
+        hidden_size=plan.target.hidden_size, api_key=infra.api_key,
+        launch=infra.launch if infra.launch_from_block else r.vllm.launch, dtype=r.extraction.dtype,
+    )
+    for note in handle.unverified:
+        get_run_logger().warning(note)
+    return handle
+
+
+@task(name="prepare-data")
+def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None) -> dict:
+    """Tokenised, split, optionally regenerated data in the fingerprinted folder (reused when there)."""
+    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
+    plan = infra_mod.plan_for(recipe, infra)
+    worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key, storage_options=infra.storage_options)
+    report = read_report(plan.data, infra.storage_options)
+    get_run_logger().info("data in %s (%s)", plan.data.prepared_dir, "prepared now" if worked else "reused")
+    return {"data_root": plan.data.root, "reused": not worked, "report": report}
+
+
+@task(name="plan-shards")
+def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> list[str]:
+    """Every shard id of the train split (completed ones are skipped by the cache and the manifest)."""
+    infra = infra_mod.resolve(recipe, overrides, store_block, None)
+    plan = infra_mod.plan_for(recipe, infra)
+    n = len(expected_samples(plan, Store(plan.data, infra.storage_options)))
+    per = plan.recipe.extraction.samples_per_shard
+    return [shard_id(k) for k in range((n + per - 1) // per)]
+
+
+def shard_cache_key(context, parameters: dict) -> str:
+    return f"draftflow-shard-{parameters['fingerprint']}-{parameters['shard']}-format{FORMAT_VERSION}"
+
+
+@task(name="extract-shard", tags=[EXTRACTION_TAG], persist_result=True,
+      cache_policy=CacheKeyFnPolicy(cache_key_fn=shard_cache_key), task_run_name="extract-{shard}")
+def extract_shard(recipe: str, overrides: list[str], fingerprint: str, shard: str,
+                  store_block: str | None, vllm_block: str | None) -> dict:
+    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
+    plan = infra_mod.plan_for(recipe, infra)
+    if plan.fingerprint != fingerprint:
+        raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
+    result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard, infra.endpoints or plan.recipe.vllm.endpoints,
+                                 api_key=infra.api_key, storage_options=infra.storage_options)
+    return {"shard": shard, "skipped": result.skipped, "samples_ok": result.samples_ok,
+            "samples_failed": result.samples_failed, "tokens": result.tokens,
+            "failures": [list(f) for f in result.failures][:20]}
+
+
+@task(name="shard-table")
+def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: str) -> dict:
+    """The shard table artifact (done / failed / reason) and counts for the flow."""
+    rows, failed = [], 0
+    for shard, outcome in zip(shards, outcomes):
+        if isinstance(outcome, BaseException):
+            failed += 1
+            rows.append({"shard": shard, "status": "failed", "samples_ok": "", "reason": str(outcome)[:200]})
+        else:
+            status = "already in store" if outcome["skipped"] else "extracted"
+            reason = "; ".join(f"{s}: {r}" for s, r in outcome["failures"][:3])
+            rows.append({"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason})
+    create_table_artifact(key=key, table=rows, description="extraction shards")
+    return {"shards": len(shards), "failed": failed}
+

@@ -1,0 +1,61 @@
+"""Blocks → plain settings for the core. Tasks receive block *names*, never secrets.
+
+A task parameter is hashed, stored and shown in the UI; a secret must never be one. Each
+task loads the blocks it needs by name and hands plain values to the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blocks.infrastructure import HiddenStateStore, VLLMServer
+from draftflow.plan import Plan
+
+
+@dataclass
+class Infra:
+    overrides: list[str]
+    storage_options: dict = field(default_factory=dict, repr=False)
+    endpoints: list[str] | None = None
+    api_key: str | None = field(default=None, repr=False)
+    launch: object | None = None
+    launch_from_block: bool = False
+
+
+def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None) -> Infra:
+    infra = Infra(overrides=list(overrides))
+    if store_block:
+        url, options = HiddenStateStore.load(store_block).settings()
+        infra.overrides.append(f"extraction.store={url}")
+        infra.storage_options = options
+    if vllm_block:
+        block = VLLMServer.load(vllm_block)
+        settings = block.settings()
+        infra.endpoints = list(settings.endpoints)
+        infra.api_key = block.api_key_value()
+        infra.launch = settings.launch
+        infra.launch_from_block = True
+    return infra
+
+
+def plan_for(recipe: str, infra: Infra) -> Plan:
+    return Plan.load(recipe, infra.overrides)
+
+
+def subprocess_env(infra: Infra) -> dict[str, str]:
+    """Settings for a subprocess (torchrun) through the environment, not its command line."""
+    import json
+
+    from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
+
+    env = {}
+    if infra.storage_options:
+        env[STORAGE_OPTIONS_ENV] = json.dumps(infra.storage_options)
+    if infra.api_key:
+        env[VLLM_API_KEY_ENV] = infra.api_key
+    return env
+
+
+def artifact_key(plan: Plan, what: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return f"{plan.recipe.name}-{what}".lower().replace(".", "-").replace("_", "-")
