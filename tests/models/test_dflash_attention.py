@@ -176,3 +176,21 @@ def test_training_blocks_equal_vllm_style_proposals_on_the_truncated_context():
             _, ref = model.propose(batch.hidden_states[b:b + 1, s:a], batch.input_ids[b:b + 1, a],
                                    position_ids=pos[b:b + 1, s:a], return_logits=True)
             torch.testing.assert_close(logits[b, i, 1:], ref[0], rtol=0, atol=1e-5)
+
+
+def test_chunked_sdpa_path_equals_the_log_sum_exp_reference_across_chunks():
+    from draftflow.models.dflash.attention import dflash_attention_chunked, dflash_attention_merged
+
+    torch.manual_seed(3)
+    bt, a, b, nh, nkv, hd, t = 2, 37, 4, 6, 2, 16, 300
+    q = torch.randn(bt, a, b, nh, hd, requires_grad=True)
+    k, v = torch.randn(bt, a, b, nkv, hd), torch.randn(bt, a, b, nkv, hd)
+    ck, cv = torch.randn(bt, t, nkv, hd), torch.randn(bt, t, nkv, hd)
+    hi = torch.sort(torch.randint(0, t, (bt, a)), dim=1).values
+    lo = torch.minimum(hi, torch.randint(0, 50, (bt, a)))
+    ref = dflash_attention_merged(q, k, v, ck, cv, lo, hi, 0.25)
+    fast = dflash_attention_chunked(q, k, v, ck, cv, lo, hi, 0.25, max_chunk_queries=4 * 5)  # 8 chunks
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    g_ref, = torch.autograd.grad(ref.square().sum(), q)
+    g_fast, = torch.autograd.grad(fast.square().sum(), q)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-4, atol=1e-5)
