@@ -77,44 +77,23 @@ class VLLMServers:
     settings stops the running one first.
     """
 
-    # Held while a server runs, so test sessions in other processes wait instead of hanging.
-    LOCK_FILE = Path(tempfile.gettempdir()) / "draftflow-vllm-test-server.lock"
-
     def __init__(self, python: str, log_dir: Path):
         self.python = python
         self.log_dir = log_dir
         self.current: tuple[tuple, ServerProcess] | None = None
-        self._lock = None
-
-    def _acquire(self) -> None:
-        import fcntl
-
-        if self._lock is None:
-            self._lock = open(self.LOCK_FILE, "w")
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
-
-    def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
 
     def get(self, model: Path | str, **settings) -> ServerProcess:
         key = (str(model), repr(sorted(settings.items())))
         if self.current and self.current[0] == key and self.current[1].proc.poll() is None:
             return self.current[1]
-        self.stop()
-        self._acquire()
+        self.stop()  # the launcher's host lock makes other test sessions wait, not hang
         port = free_port()
         spec = LaunchSpec(
             python=self.python, model=str(model), port=port, device="cpu", dtype="float32",
             log_path=str(self.log_dir / f"vllm-{port}.log"), **settings,
         )
         server = ServerProcess(spec).start()
-        try:
-            server.wait_healthy(timeout_s=300)
-        except BaseException:
-            self._release()
-            raise
+        server.wait_healthy(timeout_s=300)
         self.current = (key, server)
         return server
 
@@ -122,7 +101,6 @@ class VLLMServers:
         if self.current:
             self.current[1].stop()
             self.current = None
-        self._release()
 
 
 @pytest.fixture(scope="session")

@@ -8,15 +8,19 @@ The server's log is kept in a file next to the run, and the process is stopped b
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 # Our CPU hidden-state connector lives in this package; the server imports it by module path.
 CPU_CONNECTOR_MODULE = "draftflow.vllm.cpu_connector"
@@ -111,13 +115,49 @@ class ServerStartError(RuntimeError):
     pass
 
 
+# On a CPU host each vLLM server binds its OpenMP threads to the cores; a second server
+# started while one runs hangs in start-up without an error. CPU launches therefore take
+# this host-wide lock for as long as their server runs, and wait for it (saying so).
+CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
+
+
 class ServerProcess:
     """A vLLM server this process started (and therefore may stop)."""
 
-    def __init__(self, spec: LaunchSpec):
+    def __init__(self, spec: LaunchSpec, *, host_lock_timeout_s: float = 3600.0):
         self.spec = spec
         self.proc: subprocess.Popen | None = None
         self._log = None
+        self._host_lock = None
+        self.host_lock_timeout_s = host_lock_timeout_s
+
+    def _take_host_lock(self) -> None:
+        import fcntl
+
+        handle = open(CPU_HOST_LOCK, "a+")
+        deadline = time.monotonic() + self.host_lock_timeout_s
+        announced = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not announced:
+                    log.warning("another vLLM server runs on this CPU host; waiting for it to stop (%s)", CPU_HOST_LOCK)
+                    announced = True
+                if time.monotonic() > deadline:
+                    handle.close()
+                    raise ServerStartError(
+                        f"another vLLM server has held {CPU_HOST_LOCK} for {self.host_lock_timeout_s:.0f}s: "
+                        "two servers on one CPU host hang at start-up; stop the other one"
+                    )
+                time.sleep(1.0)
+        self._host_lock = handle
+
+    def _release_host_lock(self) -> None:
+        if self._host_lock is not None:
+            self._host_lock.close()
+            self._host_lock = None
 
     @property
     def url(self) -> str:
@@ -133,6 +173,8 @@ class ServerProcess:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         if self.spec.staging_dir:
             Path(self.spec.staging_dir).mkdir(parents=True, exist_ok=True)
+        if self.spec.device == "cpu":
+            self._take_host_lock()
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             build_command(self.spec),
@@ -174,6 +216,7 @@ class ServerProcess:
         """
         if self.proc is None:
             self._close_log()
+            self._release_host_lock()
             return
         pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
@@ -186,6 +229,7 @@ class ServerProcess:
             if self._wait_group_gone(pgid, wait):
                 break
         self._close_log()
+        self._release_host_lock()
 
     def _group_alive(self, pgid: int) -> bool:
         self.proc.poll()  # reap our own child, or its zombie would keep the group alive
