@@ -1,0 +1,279 @@
+"""Acceptance measured by vLLM itself: the target served with the checkpoint as its drafter.
+
+The checkpoint folder is passed as ``--model``: vLLM serves the verifier named in its
+config.json with the folder as the speculative model (the API model id is the folder path).
+Prompts go as token ids to ``/v1/completions``, one at a time, greedy, ``max_tokens =
+max_new_tokens``. Acceptance comes from the spec-decode Prometheus counters on ``/metrics``,
+scraped before and after every prompt (cumulative counters; ``_created`` samples ignored;
+summed over label sets):
+
+    vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}
+
+Then the plain target is served with the same settings (a second server, started after the
+first stopped) on the same prompts: generation throughput with and without the drafter (sum of
+completion tokens / sum of request latencies, batch size 1, after one warm-up request) and a
+lossless check (outputs with the drafter vs without).
+
+Servers come from a *server factory*: ``factory(model, speculative_config) -> context manager
+yielding the base URL``. :class:`LaunchServerFactory` starts and stops a server per use;
+:func:`reusing_factory` wraps a pool that keeps servers running (the tests' fixture).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from draftflow.evaluation.offline import checkpoint_info
+from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
+from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port
+
+ServerFactory = Callable[[str, dict | None], AbstractContextManager[str]]
+
+_PREFIX = "vllm:spec_decode_"
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)")
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+class SpecDecodeMetricsMissing(RuntimeError):
+    """The server exposes no spec-decode counters: it runs no drafter."""
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    accepted_per_position: dict[int, int]
+
+    def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
+        positions = set(self.accepted_per_position) | set(other.accepted_per_position)
+        return SpecCounters(
+            self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+            self.accepted + sign * other.accepted,
+            {p: self.accepted_per_position.get(p, 0) + sign * other.accepted_per_position.get(p, 0) for p in positions},
+        )
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, -1)
+
+    def per_position(self, k: int) -> list[int]:
+        return [self.accepted_per_position.get(i, 0) for i in range(k)]
+
+
+def parse_spec_counters(text: str) -> SpecCounters:
+    """The spec-decode counters in a Prometheus text exposition, summed over label sets."""
+    totals = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
+    found = False
+    for line in text.splitlines():
+        if not line.startswith(_PREFIX):
+            continue
+        m = _SAMPLE.match(line)
+        if not m or not m["name"].endswith("_total"):  # skips the `_created` timestamps
+            continue
+        found = True
+        base, value = m["name"][len(_PREFIX):-len("_total")], float(m["value"])
+        if base == "num_accepted_tokens_per_pos":
+            pos = _POSITION.search(m["labels"] or "")
+            if pos:
+                per_pos[int(pos[1])] = per_pos.get(int(pos[1]), 0.0) + value
+        elif base in totals:
+            totals[base] += value
+    if not found:
+        raise SpecDecodeMetricsMissing("no vllm:spec_decode_* counters on /metrics: the server runs no drafter")
+    return SpecCounters(round(totals["num_drafts"]), round(totals["num_draft_tokens"]),
+                        round(totals["num_accepted_tokens"]), {p: round(v) for p, v in per_pos.items()})
+
+
+# ---------------------------------------------------------------------------------------
+# Server factories
+# ---------------------------------------------------------------------------------------
+
+class LaunchServerFactory:
+    """Starts one vLLM server per use (LaunchSpec/ServerProcess) and stops it afterwards."""
+
+    def __init__(self, python: str, *, device: str = "cpu", dtype: str = "auto", max_model_len: int = 1024,
+                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
+                 log_dir: str | Path | None = None, startup_timeout_s: float = 600.0, host: str = "127.0.0.1"):
+        self.python, self.device, self.dtype, self.max_model_len = python, device, dtype, max_model_len
+        self.extra_args, self.env = list(extra_args), dict(env or {})
+        self.log_dir, self.startup_timeout_s, self.host = log_dir, startup_timeout_s, host
+
+    @classmethod
+    def from_recipe(cls, launch, *, log_dir: str | Path | None = None, dtype: str | None = None) -> LaunchServerFactory:
+        """From a recipe's ``vllm.launch`` section; fp32 on CPU unless ``dtype`` says otherwise."""
+        from draftflow.recipe.load import expand
+
+        return cls(expand(launch.python), device=launch.device, dtype=dtype or ("float32" if launch.device == "cpu"
+                                                                               else "auto"),
+                   max_model_len=launch.max_model_len, extra_args=launch.extra_args, env=launch.env,
+                   log_dir=log_dir, startup_timeout_s=launch.startup_timeout_s)
+
+    @contextmanager
+    def __call__(self, model: str, speculative_config: dict | None = None) -> Iterator[str]:
+        port = free_port()
+        log = str(Path(self.log_dir) / f"vllm-eval-{port}.log") if self.log_dir else None
+        spec = LaunchSpec(python=self.python, model=str(model), port=port, host=self.host, device=self.device,
+                          dtype=self.dtype, max_model_len=self.max_model_len, speculative_config=speculative_config,
+                          extra_args=self.extra_args, env=self.env, log_path=log)
+        server = ServerProcess(spec).start()
+        try:
+            server.wait_healthy(self.startup_timeout_s)
+            yield server.url
+        finally:
+            server.stop()
+
+
+def reusing_factory(get: Callable[..., Any], **settings) -> ServerFactory:
+    """A factory over a pool that keeps servers running: ``get(model, **LaunchSpec fields)``
+    returns a running server (with ``.url``) and stops the previous one itself."""
+
+    @contextmanager
+    def factory(model: str, speculative_config: dict | None = None) -> Iterator[str]:
+        extra = {"speculative_config": speculative_config} if speculative_config else {}
+        yield get(str(model), **settings, **extra).url
+
+    return factory
+
+
+# ---------------------------------------------------------------------------------------
+# The evaluator
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class GenerationRun:
+    outputs: list[list[int]]
+    seconds: float  # sum of request latencies
+    per_prompt: list[SpecCounters] | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(len(o) for o in self.outputs) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class VLLMResult:
+    report: AcceptanceReport
+    outputs: list[list[int]]  # generated token ids per prompt, with the drafter
+    baseline_outputs: list[list[int]] | None  # without the drafter (None: not measured)
+
+
+class _Server:
+    """Sequential greedy completions and metric scrapes against one server."""
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.model = self.http.get(f"{self.url}/v1/models").raise_for_status().json()["data"][0]["id"]
+
+    def complete(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], float]:
+        payload = {"model": self.model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
+                   "temperature": 0.0, "return_token_ids": True}
+        start = time.perf_counter()
+        response = self.http.post(f"{self.url}/v1/completions", json=payload)
+        elapsed = time.perf_counter() - start
+        if response.status_code >= 400:
+            raise RuntimeError(f"{self.url}/v1/completions: HTTP {response.status_code}: {response.text[:500]}")
+        choice = response.json()["choices"][0]
+        if choice.get("token_ids") is None:
+            raise RuntimeError(f"{self.url}: the completion carries no token_ids (vLLM too old for return_token_ids?)")
+        return [int(t) for t in choice["token_ids"]], elapsed
+
+    def counters(self, settle_s: float = 2.0) -> SpecCounters:
+        """The counters, read until two reads agree (they are recorded as outputs are processed)."""
+        last = parse_spec_counters(self.http.get(f"{self.url}/metrics").raise_for_status().text)
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            now = parse_spec_counters(self.http.get(f"{self.url}/metrics").raise_for_status().text)
+            if now == last:
+                return now
+            last = now
+        return last
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, scrape: bool) -> GenerationRun:
+        self.complete(prompts[0], min(8, max_tokens))  # warm-up, before any counter is read
+        outputs, seconds, per_prompt = [], 0.0, []
+        before = self.counters() if scrape else None
+        for prompt in prompts:
+            tokens, elapsed = self.complete(prompt, max_tokens)
+            outputs.append(tokens)
+            seconds += elapsed
+            if scrape:
+                after = self.counters()
+                per_prompt.append(after - before)
+                before = after
+        return GenerationRun(outputs, seconds, per_prompt if scrape else None)
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def _generate(factory: ServerFactory, model: str, speculative_config: dict | None, prompts, max_tokens: int,
+              scrape: bool, timeout_s: float) -> GenerationRun:
+    with factory(model, speculative_config) as url:
+        server = _Server(url, timeout_s)
+        try:
+            return server.generate(prompts, max_tokens, scrape=scrape)
+        finally:
+            server.close()
+
+
+def evaluate_in_vllm(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                     server_factory: ServerFactory, prompt_names: Sequence[str] | None = None,
+                     speculative_config: dict | None = None, measure_baseline: bool = True,
+                     request_timeout_s: float = 600.0) -> VLLMResult:
+    """Serve the target with ``checkpoint_dir`` as its drafter and read vLLM's own acceptance.
+
+    speculative_config: extra ``--speculative-config`` JSON merged in by vLLM (e.g.
+    ``{"num_speculative_tokens": 5}``). measure_baseline: also serve the plain target (the
+    verifier in config.json) for throughput and the lossless check.
+    """
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    names = list(prompt_names) if prompt_names is not None else [str(i) for i in range(len(prompts))]
+    info = checkpoint_info(checkpoint_dir)
+    k = int((speculative_config or {}).get("num_speculative_tokens") or info["speculative_tokens"])
+    run = _generate(server_factory, str(checkpoint_dir), speculative_config, prompts, max_new_tokens, True,
+                    request_timeout_s)
+    per_prompt = [PromptAcceptance(name, c.drafts, c.accepted, len(out), c.draft_tokens, c.per_position(k))
+                  for name, c, out in zip(names, run.per_prompt, run.outputs)]
+    total = sum(run.per_prompt[1:], run.per_prompt[0])
+    report = AcceptanceReport(
+        source="vllm", drafter=info["kind"], draft_length=k, num_prompts=len(prompts), drafts=total.drafts,
+        draft_tokens=total.draft_tokens, accepted_tokens=total.accepted, accepted_per_position=total.per_position(k),
+        per_prompt=per_prompt, max_new_tokens=max_new_tokens,
+        notes=[f"vLLM spec-decode counters; target {info['verifier']}"],
+    )
+    extra = [p for p in total.accepted_per_position if p >= k and total.accepted_per_position[p]]
+    if extra:
+        report.notes.append(f"counters report accepted positions {extra} beyond the draft length {k}")
+    baseline = None
+    if measure_baseline:
+        base = _generate(server_factory, info["verifier"], None, prompts, max_new_tokens, False, request_timeout_s)
+        baseline = base.outputs
+        report.throughput = {"with_drafter_tok_s": run.tokens_per_s, "without_drafter_tok_s": base.tokens_per_s,
+                             "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0}
+        same = [a == b for a, b in zip(run.outputs, baseline)]
+        report.outputs_identical = sum(same)
+        report.notes += [f"prompt {n}: output with the drafter differs from the target alone (first at token "
+                         f"{_first_difference(a, b)})" for n, ok, a, b in zip(names, same, run.outputs, baseline)
+                         if not ok]
+    return VLLMResult(report, run.outputs, baseline)
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

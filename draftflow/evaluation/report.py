@@ -1,0 +1,240 @@
+"""The acceptance report: one schema for the offline simulator and for vLLM's counters.
+
+τ (mean acceptance length) = tokens produced per target forward pass
+                           = 1 + accepted draft tokens / drafts.
+Per-position acceptance i  = fraction of drafts whose first i+1 tokens were all accepted.
+
+Counting follows vLLM's scheduler: one draft per verification step, and accepted tokens are
+counted in full even when they run past ``max_new_tokens`` or an EOS (the output is cut
+afterwards). Both evaluators fill the same fields, so the two reports compare field by field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class PromptAcceptance:
+    prompt_id: str
+    drafts: int
+    accepted: int
+    generated_tokens: int
+    draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+@dataclass
+class AcceptanceReport:
+    source: str                 # "offline" | "vllm"
+    drafter: str                # "dflash" | "eagle3"
+    draft_length: int           # speculative tokens per draft
+    num_prompts: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]
+    per_prompt: list[PromptAcceptance] = field(default_factory=list)
+    throughput: dict | None = None  # tokens/s with and without the drafter, speedup
+    notes: list[str] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    # Prompts whose output equals the reference: the target's plain greedy output (offline),
+    # the same server without the drafter (vLLM, when throughput was measured); None: not compared.
+    outputs_identical: int | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["mean_acceptance_length"] = self.mean_acceptance_length
+        out["acceptance_rate"] = self.acceptance_rate
+        out["per_position_acceptance"] = self.per_position
+        for p, src in zip(out["per_prompt"], self.per_prompt):
+            p["acceptance_length"] = src.acceptance_length
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AcceptanceReport:
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["per_prompt"] = [
+            PromptAcceptance(**{k: v for k, v in p.items() if k in PromptAcceptance.__dataclass_fields__})
+            for p in data.get("per_prompt", [])
+        ]
+        return cls(**fields)
+
+
+@dataclass
+class Evaluation:
+    """Both reports, the agreement check and the gate: what `evaluate` writes to the run folder."""
+
+    offline: AcceptanceReport | None
+    vllm: AcceptanceReport | None
+    min_acceptance_length: float
+    agreement_tolerance: float
+    checkpoint: str
+    contract_problems: list[str] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # recipe, fingerprint, target, prompt ids, max_new_tokens
+
+    @property
+    def tau(self) -> float:
+        report = self.vllm or self.offline
+        return report.mean_acceptance_length if report else 1.0
+
+    @property
+    def relative_gap(self) -> float | None:
+        if not (self.offline and self.vllm):
+            return None
+        a, b = self.offline.mean_acceptance_length, self.vllm.mean_acceptance_length
+        return abs(a - b) / max(a, b)
+
+    @property
+    def agrees(self) -> bool:
+        gap = self.relative_gap
+        return gap is None or gap <= self.agreement_tolerance
+
+    @property
+    def passed_gate(self) -> bool:
+        return self.tau >= self.min_acceptance_length
+
+    @property
+    def publishable(self) -> bool:
+        """Gate passed, evaluators agree, checkpoint matches its provenance."""
+        return self.passed_gate and self.agrees and not self.contract_problems
+
+    def disagreement(self) -> str | None:
+        """Why offline and vLLM τ disagree beyond the tolerance (both numbers), or None."""
+        if self.agrees:
+            return None
+        a, b = self.offline.mean_acceptance_length, self.vllm.mean_acceptance_length
+        return (f"offline τ {a:.4f} and vLLM τ {b:.4f} disagree: relative gap {self.relative_gap:.1%} exceeds the "
+                f"tolerance {self.agreement_tolerance:.1%} ({self.checkpoint})")
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint,
+            "offline": self.offline.to_dict() if self.offline else None,
+            "vllm": self.vllm.to_dict() if self.vllm else None,
+            "tau": self.tau,
+            "relative_gap": self.relative_gap,
+            "agreement_tolerance": self.agreement_tolerance,
+            "agrees": self.agrees,
+            "min_acceptance_length": self.min_acceptance_length,
+            "passed_gate": self.passed_gate,
+            "contract_problems": list(self.contract_problems),
+            "publishable": self.publishable,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Evaluation:
+        return cls(
+            offline=AcceptanceReport.from_dict(data["offline"]) if data.get("offline") else None,
+            vllm=AcceptanceReport.from_dict(data["vllm"]) if data.get("vllm") else None,
+            min_acceptance_length=data["min_acceptance_length"],
+            agreement_tolerance=data["agreement_tolerance"],
+            checkpoint=data["checkpoint"],
+            contract_problems=list(data.get("contract_problems") or []),
+            meta=dict(data.get("meta") or {}),
+        )
+
+    def markdown(self) -> str:
+        rows = [r for r in (self.offline, self.vllm) if r]
+        k = max((r.draft_length for r in rows), default=0)
+        head = "| measured in | prompts | drafts | τ (mean acceptance length) | acceptance rate | " + \
+            " | ".join(f"pos {i + 1}" for i in range(k)) + " |"
+        sep = "|" + "---|" * (5 + k)
+        lines = [f"# Acceptance of {self.checkpoint}", ""]
+        if self.meta:
+            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if not isinstance(v, list)), ""]
+        if self.contract_problems:
+            lines += ["Contract problems (checkpoint vs its training provenance):", ""]
+            lines += [f"- {p}" for p in self.contract_problems] + [""]
+        lines += [head, sep]
+        for r in rows:
+            pos = " | ".join(f"{p:.3f}" for p in r.per_position)
+            lines.append(f"| {r.source} | {r.num_prompts} | {r.drafts} | {r.mean_acceptance_length:.3f} | "
+                         f"{r.acceptance_rate:.3f} | {pos} |")
+        notes = []
+        for r in rows:
+            if r.outputs_identical is not None:
+                notes.append(f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the target's "
+                             "own greedy output" + (" (same server, no drafter)" if r.source == "vllm" else ""))
+            notes += [f"- {r.source}: {note}" for note in r.notes]
+        lines += [""] + notes if notes else []
+        lines += self._per_prompt_table(rows)
+        if self.vllm and self.vllm.throughput:
+            t = self.vllm.throughput
+            lines += ["", f"Decode throughput in vLLM (batch size 1, completion tokens / request time): "
+                          f"{t['with_drafter_tok_s']:.1f} tok/s with the drafter, "
+                          f"{t['without_drafter_tok_s']:.1f} tok/s without (speedup {t['speedup']:.2f}x)."]
+        gap = self.relative_gap
+        if gap is not None:
+            lines += ["", f"Offline vs vLLM τ gap: {gap:.1%} (tolerance {self.agreement_tolerance:.1%}): "
+                          + ("agree" if self.agrees else "DISAGREE")]
+        lines += ["", f"Gate: τ {self.tau:.3f} vs minimum {self.min_acceptance_length:.3f}: "
+                      + ("PASS" if self.passed_gate else "FAIL")]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _per_prompt_table(rows: list[AcceptanceReport]) -> list[str]:
+        """τ and generated tokens per prompt, one column pair per evaluator."""
+        if not rows or not rows[0].per_prompt:
+            return []
+        by_source = [{p.prompt_id: p for p in r.per_prompt} for r in rows]
+        lines = ["", "| prompt | " + " | ".join(f"{r.source} τ | {r.source} tokens" for r in rows) + " |",
+                 "|---|" + "---|---|" * len(rows)]
+        for p in rows[0].per_prompt:
+            cells = [(f"{d[p.prompt_id].acceptance_length:.3f}", str(d[p.prompt_id].generated_tokens))
+                     if p.prompt_id in d else ("", "") for d in by_source]
+            lines.append(f"| {p.prompt_id} | " + " | ".join(f"{a} | {b}" for a, b in cells) + " |")
+        return lines
+
+    def write(self, folder: Path) -> dict[str, Path]:
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {"report": folder / "report.json", "summary": folder / "report.md",
+                 "chart": folder / "acceptance.png"}
+        paths["report"].write_text(json.dumps(self.to_dict(), indent=2))
+        paths["summary"].write_text(self.markdown())
+        acceptance_chart([r for r in (self.offline, self.vllm) if r], paths["chart"])
+        return paths
+
+
+def acceptance_chart(reports: list[AcceptanceReport], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    width = 0.8 / max(1, len(reports))
+    for j, r in enumerate(reports):
+        xs = [i + 1 + (j - (len(reports) - 1) / 2) * width for i in range(r.draft_length)]
+        ax.bar(xs, r.per_position, width=width, label=f"{r.source} (τ={r.mean_acceptance_length:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (prefix accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-position acceptance")
+    if reports:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "not evaluated", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

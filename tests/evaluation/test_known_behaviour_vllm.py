@@ -1,0 +1,117 @@
+"""vLLM's own acceptance counters against the offline simulator, for drafters whose behaviour is known.
+
+Both checkpoints are real exports (draftflow.models, speculators format) with constructed
+weights: the final norm is zero, so every draft logit is 0 and the drafter always proposes
+draft id 0 = one fixed token (see known_drafters.py). The target (SmolLM2, fp32) repeats that
+token on some prompts and never produces it on others, so acceptance is far from trivial:
+full runs of accepted drafts, drafts accepted only in their first position, and nothing.
+
+vLLM (CPU, fp32) and the simulator must then agree EXACTLY: drafts, draft tokens, accepted
+tokens and per-position acceptance, in total and per prompt — the same counting rule
+(accepted tokens counted past max_tokens and past EOS) and the same greedy tokens. vLLM's
+output with the drafter must equal its output without it, and the simulator's (transformers).
+
+Server start-ups: Eagle3, then DFlash, then the plain target (throughput and lossless baseline).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from known_drafters import dflash_checkpoint, eagle3_checkpoint
+
+from draftflow.evaluation.in_vllm import reusing_factory
+from draftflow.evaluation.run import evaluate_prompts
+from draftflow.target import read_target_info
+
+pytestmark = pytest.mark.slow
+
+EOS = 2
+HA, NA = 421, 15486  # " ha", " na"
+QUESTIONS = {
+    "laugh": "Laugh: say ha ha ha ha ha ha ha ha ha ha ha ha ha.",  # " ha" × many: whole drafts accepted
+    "ha-ha": "Write 'ha ha!' five times.",  # "Ha ha!": one " ha" after "Ha", then no more
+    "sing": "Sing: na na na na na na na na na na na na na na",  # " na" × many
+    "france": "What is the capital of France?",  # short answer, ends with EOS
+}
+MAX_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_ids):
+    return [chat_ids(q) for q in QUESTIONS.values()]
+
+
+@pytest.fixture(scope="module")
+def run(smollm2_dir, smollm2_model, prompts, vllm_servers, tmp_path_factory):
+    factory = reusing_factory(vllm_servers.get, max_model_len=1024)
+    root = tmp_path_factory.mktemp("known")
+
+    def evaluate(folder, measure_baseline: bool):
+        return evaluate_prompts(
+            folder, prompts, target=str(smollm2_dir), max_new_tokens=MAX_NEW_TOKENS, stop_ids=[EOS],
+            min_acceptance_length=1.1, agreement_tolerance=0.001, prompt_names=list(QUESTIONS), in_vllm=True,
+            server_factory=factory, out_dir=folder.with_name(folder.name + "-eval"),
+            target_info=read_target_info(str(smollm2_dir)), fingerprint="test-fp",
+            measure_baseline=measure_baseline, model=smollm2_model,
+        )
+
+    return {
+        "eagle3": evaluate(eagle3_checkpoint(smollm2_dir, root / "eagle3", fixed_token=NA, speculative_tokens=4),
+                           measure_baseline=False),
+        "dflash": evaluate(dflash_checkpoint(smollm2_dir, root / "dflash", fixed_token=HA, block_size=4),
+                           measure_baseline=True),
+    }
+
+
+def counts(report):
+    return {
+        "total": (report.drafter, report.draft_length, report.drafts, report.draft_tokens, report.accepted_tokens,
+                  report.accepted_per_position),
+        "per_prompt": [(p.prompt_id, p.drafts, p.draft_tokens, p.accepted, p.accepted_per_position,
+                        p.generated_tokens) for p in report.per_prompt],
+    }
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_vllm_counters_equal_the_simulator_exactly(run, kind):
+    ev = run[kind].evaluation
+    print(f"{kind}: offline τ {ev.offline.mean_acceptance_length:.4f} per position {ev.offline.per_position}; "
+          f"vLLM τ {ev.vllm.mean_acceptance_length:.4f} per position {ev.vllm.per_position}")
+    assert counts(ev.vllm) == counts(ev.offline)
+    assert ev.vllm.mean_acceptance_length == ev.offline.mean_acceptance_length and ev.relative_gap == 0.0
+    assert ev.agrees and ev.passed_gate and ev.publishable
+
+
+def test_acceptance_is_what_the_constructed_drafters_imply(run):
+    dflash = {p.prompt_id: p for p in run["dflash"].evaluation.offline.per_prompt}
+    eagle3 = {p.prompt_id: p for p in run["eagle3"].evaluation.offline.per_prompt}
+    # " ha" drafter: whole blocks accepted on the laugh, one token after "Ha", nothing elsewhere
+    assert dflash["laugh"].accepted_per_position[2] >= 5 and dflash["laugh"].acceptance_length > 3
+    assert dflash["ha-ha"].accepted_per_position == [1, 0, 0]
+    assert dflash["sing"].accepted == dflash["france"].accepted == 0
+    # " na" chain: long runs on the song only
+    assert eagle3["sing"].accepted_per_position[3] >= 4 and eagle3["laugh"].accepted == 0
+    # the answer about France ends with EOS before max_tokens: fewer drafts, output cut at EOS
+    assert dflash["france"].generated_tokens < MAX_NEW_TOKENS
+    assert run["dflash"].offline.outputs[3][-1] == EOS
+
+
+def test_outputs_are_lossless_in_vllm(run):
+    dflash, eagle3 = run["dflash"], run["eagle3"]
+    plain = dflash.vllm.baseline_outputs  # SmolLM2 served without a drafter, same settings
+    assert dflash.vllm.outputs == plain and eagle3.vllm.outputs == plain
+    assert dflash.offline.outputs == plain and eagle3.offline.outputs == plain
+    assert dflash.vllm.report.outputs_identical == 4
+    t = dflash.vllm.report.throughput
+    assert t["with_drafter_tok_s"] > 0 and t["without_drafter_tok_s"] > 0 and t["speedup"] > 0
+    print(f"throughput: {t}")
+
+
+def test_reports_written(run):
+    paths = run["dflash"].paths
+    data = json.loads(open(paths["report"]).read())
+    assert data["vllm"]["throughput"]["speedup"] > 0 and data["offline"]["per_prompt"][0]["prompt_id"] == "laugh"
+    assert "| vllm | 4 |" in open(paths["summary"]).read()
+    assert open(paths["chart"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
