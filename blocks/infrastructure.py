@@ -15,6 +15,16 @@ from pydantic import Field, SecretStr
 from draftflow.recipe.schema import VLLMLaunchSection, VLLMSection
 
 
+def with_credentials(options: dict[str, Any], key_id: SecretStr | None, secret: SecretStr | None) -> dict[str, Any]:
+    """fsspec options plus the object-store credentials (s3fs names: key, secret)."""
+    options = dict(options)
+    if key_id:
+        options["key"] = key_id.get_secret_value()
+    if secret:
+        options["secret"] = secret.get_secret_value()
+    return options
+
+
 class VLLMServer(Block):
     """vLLM endpoint(s) for extraction, regeneration and evaluation, and how to start one."""
 
@@ -54,12 +64,7 @@ class HiddenStateStore(Block):
     secret_access_key: SecretStr | None = Field(None, description="Object-store secret (S3: secret).")
 
     def settings(self) -> tuple[str, dict[str, Any]]:
-        options = dict(self.storage_options)
-        if self.access_key_id:
-            options["key"] = self.access_key_id.get_secret_value()
-        if self.secret_access_key:
-            options["secret"] = self.secret_access_key.get_secret_value()
-        return self.url, options
+        return self.url, with_credentials(self.storage_options, self.access_key_id, self.secret_access_key)
 
 
 class CheckpointDestination(Block):
@@ -69,7 +74,11 @@ class CheckpointDestination(Block):
     _block_type_slug = "draftflow-checkpoint-destination"
 
     url: str | None = Field(None, description="fsspec URL of a folder; one sub-folder per checkpoint.")
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options (shown in the UI: put credentials below)."
+    )
+    access_key_id: SecretStr | None = Field(None, description="Object-store key id of `url` (S3: key).")
+    secret_access_key: SecretStr | None = Field(None, description="Object-store secret of `url` (S3: secret).")
     hf_repo_id: str | None = Field(None, description="Hub repo id (owner/name) instead of a URL.")
     hf_token: SecretStr | None = Field(None, description="Hub token with write access.")
 
@@ -78,7 +87,7 @@ class CheckpointDestination(Block):
             raise ValueError("set exactly one of `url` and `hf_repo_id`")
         return {
             "url": self.url,
-            "storage_options": dict(self.storage_options),
+            "storage_options": with_credentials(self.storage_options, self.access_key_id, self.secret_access_key),
             "hf_repo_id": self.hf_repo_id,
             "hf_token": self.hf_token.get_secret_value() if self.hf_token else None,
         }

@@ -1,17 +1,20 @@
 """Tasks of the extraction stage: server, preparation, shard plan, one task per shard.
 
-Shard tasks persist their results and are cached on recipe fingerprint + shard id + the
-shard format version (not on the task's source, not on inputs alone). A flow run retried
-from the UI re-runs the whole flow: completed shards come from the cache, failed ones run
-again. The manifest stays the truth: a shard task first checks it, so a shard that is in
-the manifest is never regenerated even if the cache is gone.
+Shard tasks persist their results and are cached on recipe fingerprint + store location +
+shard id + the shard format version (not on the task's source, not on inputs alone). A flow
+run retried from the UI re-runs the whole flow: completed shards come from the cache, failed
+ones run again. The manifest stays the truth: a shard task first checks it, so a shard that
+is in the manifest is never regenerated even if the cache is gone.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
-from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 
 from draftflow.data.dataset import read_report
 from draftflow.extraction import expected_samples, extract_shard_by_id
@@ -25,7 +28,9 @@ from tasks import infra as infra_mod
 EXTRACTION_TAG = "draftflow-vllm-extraction"
 
 
-@task(name="check-or-start-vllm", retries=1, retry_delay_seconds=10)
+# Never cached, never persisted: a retried flow run (same run id) must check the servers again
+# (the failure may have been a dead server), and the handle carries the vLLM API key.
+@task(name="check-or-start-vllm", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False)
 def check_or_start_vllm(recipe: str, overrides: list[str], store_block: str | None,
                         vllm_block: str | None) -> ServerHandle:
     """Healthy endpoints are checked (model, extraction, layers); dead ones started if the
@@ -65,7 +70,22 @@ def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> l
 
 
 def shard_cache_key(context, parameters: dict) -> str:
-    return f"draftflow-shard-{parameters['fingerprint']}-{parameters['shard']}-format{FORMAT_VERSION}"
+    """Fingerprint + store location + shard id + shard format version.
+
+    The fingerprint says *what* the data is, not *where* it lives: without the location, the
+    same recipe pointed at another store (a new bucket, a store block) would find every shard
+    "cached" and write nothing there.
+    """
+    run = getattr(getattr(context, "task_run", None), "flow_run_id", None)
+    where = _store_digest(str(run), parameters["recipe"], tuple(parameters["overrides"]), parameters["store_block"])
+    return f"draftflow-shard-{parameters['fingerprint']}-{where}-{parameters['shard']}-format{FORMAT_VERSION}"
+
+
+@functools.lru_cache(maxsize=64)
+def _store_digest(flow_run_id: str, recipe: str, overrides: tuple[str, ...], store_block: str | None) -> str:
+    """Resolved once per flow run (the store block is read from the server), not once per shard."""
+    infra = infra_mod.resolve(recipe, list(overrides), store_block, None)
+    return hashlib.sha256(infra_mod.plan_for(recipe, infra).data.root.encode()).hexdigest()[:12]
 
 
 @task(name="extract-shard", tags=[EXTRACTION_TAG], persist_result=True,

@@ -1,0 +1,92 @@
+"""Deployments of the draftflow flows on a process work pool, with this folder as their source.
+
+`draftflow deploy RECIPE --cron "0 2 * * *"` creates (or updates: same flow, same name) a
+deployment whose runs a `prefect worker start --pool POOL` on a machine with this checkout
+picks up. Nothing is built or pushed: no image, no remote storage; the worker runs the flow
+from this folder (`flow.from_source` of a local path), so relative paths in recipes resolve
+against it, like `prefect.yaml` at the repository root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from uuid import UUID
+
+from draftflow.recipe import catalog
+from draftflow.recipe.load import RecipeError, load_recipe
+
+SOURCE_DIR = Path(__file__).resolve().parents[1]  # the folder that holds flows/, tasks/, recipes/
+DEFAULT_POOL = "draftflow-process"
+# Flows a schedule can run on their own: each takes recipe, overrides and block names.
+ENTRYPOINTS = {
+    "pipeline": "flows/pipeline.py:pipeline",
+    "prepare": "flows/stages.py:prepare",
+    "extract": "flows/stages.py:extract",
+    "train": "flows/stages.py:train",
+}
+BLOCK_PARAMETERS = {
+    "pipeline": ("store_block", "vllm_block", "destination_block"),
+    "prepare": ("store_block", "vllm_block"),
+    "extract": ("store_block", "vllm_block"),
+    "train": ("store_block", "vllm_block"),
+}
+
+
+def recipe_parameter(recipe: str) -> str:
+    """What the deployment stores: a shipped recipe's name as given, a file as an absolute path.
+
+    A forked recipe is a file next to the user, not in the work pool's working folder: its
+    absolute path is what a worker on this machine (or a shared filesystem) can open.
+    """
+    catalog.resolve(recipe)  # RecipeError when it is neither
+    return str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe
+
+
+def ensure_process_pool(name: str) -> bool:
+    """Create the process work pool if it does not exist; True when created here."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_work_pool(name)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(
+                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
+                description="draftflow flows, run from a checkout of the repository by `prefect worker start`",
+            ))
+            return True
+    if pool.type != "process":
+        raise RecipeError(f"work pool {name!r} is a {pool.type!r} pool: `draftflow deploy` needs a process "
+                          "pool (the flows run from this folder, no image); pass --pool another name")
+    return False
+
+
+def deploy(recipe: str, *, cron: str | None = None, timezone: str | None = None, name: str | None = None,
+           pool: str = DEFAULT_POOL, overrides: list[str] | tuple[str, ...] = (), flow: str = "pipeline",
+           blocks: dict[str, str] | None = None, paused: bool = False) -> UUID:
+    """Create or update the deployment; returns its id. The recipe is validated first (schema +
+    overrides: the target need not be on this machine, only on the worker's)."""
+    from prefect import flow as prefect_flow
+    from prefect.schedules import Cron
+
+    if flow not in ENTRYPOINTS:
+        raise RecipeError(f"--flow {flow!r}: choose one of {', '.join(ENTRYPOINTS)}")
+    parameter = recipe_parameter(recipe)
+    parsed = load_recipe(catalog.resolve(recipe), list(overrides))
+    parameters: dict = {"recipe": parameter, "overrides": list(overrides)}
+    for key, value in (blocks or {}).items():
+        if value:
+            if key not in BLOCK_PARAMETERS[flow]:
+                raise RecipeError(f"the {flow} flow takes no {key}")
+            parameters[key] = value  # block *names*: the secrets stay in the blocks
+    ensure_process_pool(pool)
+    deployable = prefect_flow.from_source(source=str(SOURCE_DIR), entrypoint=ENTRYPOINTS[flow])
+    return deployable.deploy(
+        name=name or parsed.name, work_pool_name=pool, build=False, push=False, parameters=parameters,
+        schedule=Cron(cron, timezone=timezone or "UTC") if cron else None, paused=paused,
+        description=f"draftflow {flow} of recipe {parsed.name}", tags=["draftflow", f"recipe:{parsed.name}"],
+        print_next_steps=False, ignore_warnings=True,
+    )

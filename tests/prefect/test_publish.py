@@ -1,0 +1,68 @@
+"""Publishing to loopback S3 through a CheckpointDestination block: folder + model card, one version
+per checkpoint however often it is pushed, and nothing at all when the gate fails."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+from prefect_helpers import checkpoint_and_report, write_publish_recipe
+
+from blocks.infrastructure import CheckpointDestination
+from draftflow.paths import MODEL_CARD
+from draftflow.publish import PUBLISHED_MARKER
+from flows.stages import publish
+
+
+@pytest.fixture
+def destination(prefect_server, s3):
+    """(block name, s3 URL, fs) of an empty prefix; credentials in the block's secret fields."""
+    url = f"{s3['url']}/published-{uuid.uuid4().hex[:8]}"
+    options = s3["storage_options"]
+    name = f"dest-{uuid.uuid4().hex[:8]}"
+    CheckpointDestination(url=url, storage_options={"client_kwargs": options["client_kwargs"]},
+                          access_key_id=options["key"], secret_access_key=options["secret"]).save(name)
+    fs, _ = fsspec.core.url_to_fs(url, **options)
+    fs.invalidate_cache()
+    return name, url, fs
+
+
+def listing(fs, url: str) -> list[str]:
+    fs.invalidate_cache()
+    root = url.removeprefix("s3://")
+    return sorted(p.removeprefix(root + "/") for p in fs.find(root))
+
+
+def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, tmp_path: Path):
+    name, url, fs = destination
+    recipe = write_publish_recipe(tmp_path / "recipe.yaml", tiny_llama_dir)
+    checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path, tau=1.8)
+
+    first = publish(recipe, checkpoint, report, destination_block=name)
+    assert first["pushed"] and first["location"] == f"{url}/prefect-publish-{first['version']}"
+    files = listing(fs, url)
+    version_dir = f"prefect-publish-{first['version']}"
+    local = sorted(p.relative_to(checkpoint).as_posix() for p in Path(checkpoint).rglob("*") if p.is_file())
+    assert files == sorted([f"{version_dir}/{f}" for f in local] + [f"{version_dir}/{PUBLISHED_MARKER}"])
+    assert {"README.md", "config.json", "model.safetensors", "acceptance.png"} <= set(local)
+    card = fs.cat(f"{url.removeprefix('s3://')}/{version_dir}/{MODEL_CARD}").decode()
+    assert "# prefect-publish drafter" in card and "Gate: τ 1.800 vs minimum 1.050: PASS" in card
+    assert "![per-position acceptance](acceptance.png)" in card
+
+    second = publish(recipe, checkpoint, report, destination_block=name)
+    assert second == {**first, "pushed": False}  # same content hash: nothing written
+    assert listing(fs, url) == files
+
+
+def test_failed_gate_pushes_nothing(destination, tiny_llama_dir: Path, tmp_path: Path):
+    name, url, fs = destination
+    recipe = write_publish_recipe(tmp_path / "recipe.yaml", tiny_llama_dir)
+    checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path, tau=1.0)
+    state = publish(recipe, checkpoint, report, destination_block=name, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match=r"gate failed: τ 1.000 < evaluation.min_acceptance_length 1.05"):
+        state.result()
+    assert listing(fs, url) == []
+    assert not (Path(checkpoint) / MODEL_CARD).exists()
