@@ -17,7 +17,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 
 from draftflow.data.dataset import read_report
-from draftflow.extraction import expected_samples, extract_shard_by_id
+from draftflow.extraction import expected_samples, extract_shard_by_id, plan_extraction
 from draftflow.extraction.run import prepare_data as prepare_data_core
 from draftflow.paths import shard_id
 from draftflow.store import Store
@@ -60,13 +60,21 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
 
 
 @task(name="plan-shards")
-def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> list[str]:
-    """Every shard id of the train split (completed ones are skipped by the cache and the manifest)."""
+def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict[str, list[str]]:
+    """Every shard id of the train split, and those the manifest lacks (missing, failed, broken).
+
+    The manifest is the truth: a shard it lacks runs even when the cache says it completed
+    (the store may have been wiped or pointed elsewhere); only shards it has may come from
+    the cache.
+    """
     infra = infra_mod.resolve(recipe, overrides, store_block, None)
     plan = infra_mod.plan_for(recipe, infra)
-    n = len(expected_samples(plan, Store(plan.data, infra.storage_options)))
+    store = Store(plan.data, infra.storage_options)
+    n = len(expected_samples(plan, store))
     per = plan.recipe.extraction.samples_per_shard
-    return [shard_id(k) for k in range((n + per - 1) // per)]
+    todo = {p.shard_id for p in plan_extraction(plan, store, verify=False).to_generate}
+    every = [shard_id(k) for k in range((n + per - 1) // per)]
+    return {"all": every, "missing": [s for s in every if s in todo]}
 
 
 def shard_cache_key(context, parameters: dict) -> str:
