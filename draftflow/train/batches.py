@@ -57,9 +57,13 @@ def collate(samples: list[SampleLike], layers: LayerSelection, with_last: bool) 
 
 @dataclass
 class StepPlan:
-    """The whole run's steps, identical on every rank."""
+    """The whole run's steps, identical on every rank.
 
-    steps_per_epoch: int
+    Packing follows each epoch's shuffle, so epochs can differ by a step or two:
+    `epoch_lengths` holds each one's count.
+    """
+
+    epoch_lengths: list[int]
     epochs: int
     seed: int
     items: list[Item]
@@ -71,9 +75,9 @@ class StepPlan:
     def build(cls, source_items: list[tuple[str, int]], *, epochs: int, seed: int, pack_length: int,
               batch_size: int, world_size: int) -> StepPlan:
         items = [Item(sid, n) for sid, n in source_items]
-        plan = cls(0, epochs, seed, items, pack_length, batch_size, world_size)
-        plan.steps_per_epoch = len(plan.steps(0))
-        if plan.steps_per_epoch == 0:
+        plan = cls([], epochs, seed, items, pack_length, batch_size, world_size)
+        plan.epoch_lengths = [len(plan.steps(e)) for e in range(epochs)]
+        if min(plan.epoch_lengths) == 0:
             raise ValueError(
                 f"not enough data for one step: {len(items)} samples pack into fewer than "
                 f"batch_size x processes = {batch_size * world_size} sequences of {pack_length} tokens"
@@ -82,7 +86,7 @@ class StepPlan:
 
     @property
     def total_steps(self) -> int:
-        return self.steps_per_epoch * self.epochs
+        return sum(self.epoch_lengths)
 
     def steps(self, epoch: int) -> list[list[list[Item]]]:
         packs = pack(epoch_order(self.items, self.seed, epoch), self.pack_length)

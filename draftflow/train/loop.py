@@ -105,7 +105,7 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
             window.add(time.perf_counter() - t0, batch.tokens, loss_sum / training.batch_size, stats, loader.wait_s)
             loader.wait_s = 0.0
 
-            end_of_epoch = state.epoch_step == plan.steps_per_epoch
+            end_of_epoch = state.epoch_step == plan.epoch_lengths[batch.epoch]
             if state.step % training.log_every == 0 or end_of_epoch:
                 last = window.record(state, runtime, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                                      total_steps=plan.total_steps)

@@ -121,3 +121,13 @@ def test_metrics_lines_go_to_stdout_and_file_and_truncate_on_resume(tmp_path, ca
     again.truncate_after(10)
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [5, 10]
+
+
+def test_step_plan_counts_each_epoch_on_its_own():
+    from draftflow.train.batches import StepPlan
+
+    items = [(i.sample_id, i.num_tokens) for i in _items(300, seed=3)]
+    plan = StepPlan.build(items, epochs=6, seed=0, pack_length=100, batch_size=1, world_size=1)
+    lengths = [len(plan.steps(e)) for e in range(6)]
+    assert plan.epoch_lengths == lengths and plan.total_steps == sum(lengths)
+    assert len(set(lengths)) > 1, "packing after each epoch's shuffle gives epochs of different lengths"
