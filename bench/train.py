@@ -41,7 +41,7 @@ def throughput(recipe: str, steps: int) -> list[dict]:
 
     rows = []
     for kind, overrides in (("dflash", []), ("eagle3", ["drafter={kind: eagle3, draft_vocab_size: 8192}"])):
-        plan = Plan.load(recipe, overrides + ["training.log_every=1000000", "training.epochs=50"])
+        plan = Plan.load(recipe, overrides + [f"training.log_every={steps}", "training.epochs=50"])
         setup = drafter.build(plan)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()

@@ -41,17 +41,18 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
     try:
         prepare_data(recipe, overrides, store_block, vllm_block)
-        planned = plan_shards(recipe, overrides, store_block)
-        missing = set(planned["missing"])
-        common = (unmapped(recipe), unmapped(overrides), unmapped(ref["fingerprint"]))
-        rest = (unmapped(store_block), unmapped(vllm_block))
-        # Shards the manifest lacks always run (refresh_cache); the cache may skip only the others.
-        done = [s for s in planned["all"] if s not in missing]
-        futures = extract_shard.map(*common, done, *rest) if done else []
-        todo = sorted(missing)
-        futures_todo = extract_shard.with_options(refresh_cache=True).map(*common, todo, *rest) if todo else []
-        shards = done + todo
-        outcomes = [f.result(raise_on_failure=False) for f in [*futures, *futures_todo]]
+        shards = plan_shards(recipe, overrides, store_block)["all"]
+        args = (unmapped(recipe), unmapped(overrides), unmapped(ref["fingerprint"]))
+        infra = (unmapped(store_block), unmapped(vllm_block))
+        outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
+        # The manifest is the truth: a shard it still lacks although its task "succeeded" came
+        # from a stale cache (store wiped or moved) and runs again, ignoring the cache.
+        missing = set(plan_shards(recipe, overrides, store_block)["missing"])
+        stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
+        if stale:
+            again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
+            redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
+            outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
         summary = shard_table(shards, outcomes, ref["shard_table_key"])
     except BaseException:
         server.stop()

@@ -59,7 +59,7 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
     return {"data_root": plan.data.root, "reused": not worked, "report": report}
 
 
-@task(name="plan-shards")
+@task(name="plan-shards", cache_policy=NO_CACHE, persist_result=False)  # reads live manifest state
 def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict[str, list[str]]:
     """Every shard id of the train split, and those the manifest lacks (missing, failed, broken).
 

@@ -327,12 +327,13 @@ def test_demo_recipe_on_the_pip_corpora(smollm2_dir, tmp_path):
     fake = FakeTarget()
     result = prepare_recipe(recipe, lay, generate=fake)
     report = result.report
-    assert report["selected"] == 320 and report["kept"]["eval"] == 16
-    assert report["kept"]["train"] + report["kept"]["eval"] + sum(report["dropped"].values()) == 320
+    data = recipe.data
+    assert report["selected"] == data.num_samples and report["kept"]["eval"] == data.eval_samples
+    assert report["kept"]["train"] + report["kept"]["eval"] + sum(report["dropped"].values()) == data.num_samples
     assert {s["kind"] for s in report["sources"].values()} == {"chatterbot", "chitchat"}
-    assert all(s["selected"] == 200 for s in report["sources"].values())
-    assert all(m == 128 for _, m in fake.calls)
-    assert max(load_prepared(lay)["num_tokens"].to_pylist()) <= 512
+    assert [s["selected"] for s in report["sources"].values()] == [src.max_samples for src in data.sources]
+    assert all(m == data.regenerate_max_tokens for _, m in fake.calls)
+    assert max(load_prepared(lay)["num_tokens"].to_pylist()) <= data.max_length
     assert prepare_recipe(recipe, lay).reused  # no tokenizer load, no generate needed
 
 
