@@ -8,9 +8,6 @@ measured (the benchmark reports it as a share of the step time).
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,47 +110,26 @@ class StepLoader:
         self.depth = depth
         self.wait_s = 0.0
 
-    def _produce(self) -> Iterator[RankBatch]:
+    def _steps(self) -> Iterator[tuple[int, int, list[list[Item]], list[int]]]:
         first_epoch, first_step = self.start
         for epoch in range(first_epoch, self.plan.epochs):
             for step_idx, step in enumerate(self.plan.steps(epoch)):
                 if epoch == first_epoch and step_idx < first_step:
                     continue
                 mine = rank_share(step, self.rank, self.world_size)
-                indices = list(range(self.rank, len(step), self.world_size))
-                packs = []
-                for pack_items in mine:
-                    samples = self.source.load([i.sample_id for i in pack_items])
-                    packs.append(collate(samples, self.layers, self.with_last))
-                tokens = sum(i.num_tokens for p in mine for i in p)
-                yield RankBatch(epoch, step_idx, packs, indices, tokens)
+                yield epoch, step_idx, mine, list(range(self.rank, len(step), self.world_size))
+
+    def _load(self, spec: list) -> RankBatch:
+        epoch, step_idx, mine, indices = spec
+        packs = [collate(self.source.load([i.sample_id for i in p]), self.layers, self.with_last) for p in mine]
+        return RankBatch(epoch, step_idx, packs, indices, sum(i.num_tokens for p in mine for i in p))
 
     def __iter__(self) -> Iterator[RankBatch]:
-        q: queue.Queue = queue.Queue(maxsize=self.depth)
-        done = object()
-        stop = threading.Event()
+        from draftflow.sample_source import Prefetcher
 
-        def worker() -> None:
-            try:
-                for batch in self._produce():
-                    if stop.is_set():
-                        return
-                    q.put(batch)
-                q.put(done)
-            except BaseException as err:  # surfaces in the training loop, not lost in the thread
-                q.put(err)
-
-        thread = threading.Thread(target=worker, name="draftflow-loader", daemon=True)
-        thread.start()
-        try:
-            while True:
-                t0 = time.perf_counter()
-                item = q.get()
-                self.wait_s += time.perf_counter() - t0
-                if item is done:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
+        prefetcher = Prefetcher(self._load, self._steps(), depth=self.depth)
+        counted = 0.0
+        for batch in prefetcher:
+            self.wait_s += prefetcher.wait_s - counted
+            counted = prefetcher.wait_s
+            yield batch
