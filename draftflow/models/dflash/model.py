@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from draftflow.models.common import (
     PackedBatch, RMSNorm, RotaryEmbedding, SwiGLU, attention_scale, frozen_linear,
@@ -85,6 +86,9 @@ class DFlashDrafter(nn.Module):
         if (vocab.draft_vocab_size, vocab.target_vocab_size) != (cfg.draft_vocab_size, cfg.vocab_size):
             raise ValueError("draft vocab does not match the config's (draft_)vocab_size")
         self.attn_impl = "auto"  # "dense" | "flex" | "auto" (flex on accelerators)
+        # Recompute each layer in backward: keeps one [Bt, A, B, H] input per layer instead of
+        # every activation (~17 GB per layer at Qwen3-8B sizes, 3,072 anchors × block 16).
+        self.checkpoint_layers = False
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -132,8 +136,10 @@ class DFlashDrafter(nn.Module):
         lo/hi [Bt, A] context range of each block. Returns normed hidden [Bt, A, B, H]."""
         x = self.embed_tokens(block_ids)
         impl = self._impl(x.device)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, block_pos, context, context_pos, lo, hi, self.rotary, impl)
+            args = (x, block_pos, context, context_pos, lo, hi, self.rotary, impl)
+            x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
