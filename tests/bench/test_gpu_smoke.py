@@ -18,8 +18,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # Absent on the CUDA machine (pydantic, Prefect, vLLM) or not needed by the models; and every
 # draftflow package above draftflow.models.
-BLOCKED = ("pydantic", "prefect", "vllm", "yaml", "boto3", "botocore", "s3fs", "moto", "gguf", "fsspec",
-           "pyarrow", "transformers", "huggingface_hub")
+BLOCKED = (
+    "pydantic",
+    "prefect",
+    "vllm",
+    "yaml",
+    "boto3",
+    "botocore",
+    "s3fs",
+    "moto",
+    "gguf",
+    "fsspec",
+    "pyarrow",
+    "transformers",
+    "huggingface_hub",
+)
 ALLOWED_DRAFTFLOW = ("draftflow.models", "draftflow.paths")  # and the bare package
 
 RUNNER = textwrap.dedent("""
@@ -46,15 +59,17 @@ def _plain_copy(tmp: Path) -> Path:
     root = tmp / "copy"
     shutil.copytree(REPO / "draftflow", root / "draftflow", ignore=shutil.ignore_patterns("__pycache__"))
     (root / "bench").mkdir()
-    shutil.copy(REPO / "bench" / "gpu.py", root / "bench" / "gpu.py")
+    for name in ("gpu.py", "gpu_models.py"):
+        shutil.copy(REPO / "bench" / name, root / "bench" / name)
     return root
 
 
 def _run(root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", RUNNER, *args], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_smoke_run_checks_flex_and_trains_every_point_with_only_the_models_importable(tmp_path):
@@ -63,8 +78,14 @@ def test_smoke_run_checks_flex_and_trains_every_point_with_only_the_models_impor
     proc = _run(root, "--smoke", "--min-steps", "1", "--max-steps", "1", "--json", str(out), cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    names = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--list"], cwd=root, capture_output=True,
-                           text=True, check=True, env={**os.environ, "PYTHONPATH": ""}).stdout.split()
+    names = subprocess.run(
+        [sys.executable, "bench/gpu.py", "--smoke", "--list"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    ).stdout.split()
     assert [c["name"] for c in result["checks"]] == ["check-dflash", "check-eagle3"]
     for check in result["checks"]:
         assert check["passed"] and check["max_rel_err"] <= check["tolerance"], check

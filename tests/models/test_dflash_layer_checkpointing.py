@@ -12,12 +12,27 @@ from draftflow.models.dflash import DFlashConfig, DFlashDrafter, dflash_loss, sa
 
 def _setup():
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-                       vocab_size=97, draft_vocab_size=97, num_context_layers=2, block_size=4, mask_token_id=3)
+    cfg = DFlashConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        draft_vocab_size=97,
+        num_context_layers=2,
+        block_size=4,
+        mask_token_id=3,
+    )
     g = torch.Generator().manual_seed(1)
     doc = torch.tensor([[0] * 20 + [1] * 28])
-    batch = PackedBatch(torch.randint(5, 97, doc.shape, generator=g), torch.randn(1, 48, 2, 32, generator=g),
-                        torch.ones_like(doc), doc)
+    batch = PackedBatch(
+        torch.randint(5, 97, doc.shape, generator=g),
+        torch.randn(1, 48, 2, 32, generator=g),
+        torch.ones_like(doc),
+        doc,
+    )
     start, end, _ = batch.documents()
     anchors = sample_anchors(batch.loss_mask, start, end, 4, 12, torch.Generator().manual_seed(2))
     return DFlashDrafter(cfg), batch, anchors
@@ -47,4 +62,3 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_and_save_fewer_act
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0, msg=name)
     assert bytes_b < 0.5 * bytes_a, (bytes_b, bytes_a)
-
