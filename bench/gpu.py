@@ -245,7 +245,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s",
         type=float,
-        default=330.0,
+        default=300.0,
         help="start no point after this many seconds of the run (one point may run past it)",
     )
     parser.add_argument(

@@ -137,6 +137,10 @@ class DFlashSection(Section):
     context_layer_ids: list[int] | None = Field(
         None, description="Extracted layers the drafter reads; default: all but the last layer L."
     )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer in backward: far less memory at many anchors, "
+        "about a third more compute (bench/gpu.py measures both)."
+    )
 
     @property
     def speculative_tokens(self) -> int:

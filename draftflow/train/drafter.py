@@ -100,6 +100,7 @@ def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = Tr
             plan.target_model, num_layers=spec.num_layers, block_size=spec.block_size, mask_token_id=mask,
             num_context_layers=len(layers.context), vocab=vocab,
         )
+        model.checkpoint_layers = spec.activation_checkpointing
 
         def loss_fn(m, batch, generator):
             return mod.model.dflash_loss(m, batch, max_anchors=spec.max_anchors, gamma=spec.decay_gamma,

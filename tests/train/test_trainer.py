@@ -133,3 +133,10 @@ def test_drafter_overfits_real_smollm2_hidden_states(train_dir, kind):
         if float(out.metrics.accuracy[0]) >= 0.95:
             break
     assert float(out.metrics.accuracy[0]) >= 0.95, f"{kind}: position-1 accuracy {out.metrics.accuracy.tolist()} after {step + 1} steps"
+
+
+def test_recipe_switches_dflash_activation_checkpointing_on(train_dir):
+    recipe = str(train_dir / "recipe.yaml")
+    assert drafter.build(Plan.load(recipe)).model.checkpoint_layers is False
+    plan = Plan.load(recipe, ["drafter.activation_checkpointing=true"])
+    assert drafter.build(plan).model.checkpoint_layers is True
