@@ -80,19 +80,21 @@ class Point:
     anchors: int = 0  # DFlash only
     ttt_steps: int = 0  # Eagle3 only
     checkpoint: bool = False  # activation checkpointing per decoder layer (DFlash only)
+    loss: str | None = None  # None: --loss
 
     @property
     def name(self) -> str:
         size = f"{self.pack // 1024}k" if self.pack % 1024 == 0 else str(self.pack)
         if self.kind == "eagle3":
             return f"eagle3-{size}-ttt{self.ttt_steps}"
-        return f"dflash-{size}-a{self.anchors}" + ("-ckpt" if self.checkpoint else "")
+        name = f"dflash-{size}-a{self.anchors}" + ("-ckpt" if self.checkpoint else "")
+        return name + (f"-{self.loss}" if self.loss else "")
 
 
 def all_points(sizes: Sizes) -> list[Point]:
     """Priority order: the long pack first, each anchor count followed by its checkpointed run
-    (same shapes: no new compilation), the most anchors (the published 3,072) first; then
-    Eagle3; then the short pack."""
+    (same shapes: no new compilation), the most anchors (the published 3,072) first, that one
+    also with the token loss; then Eagle3; then the short pack."""
     long, short = max(sizes.packs), min(sizes.packs)
     desc = sorted(sizes.anchors, reverse=True)
     points = []
@@ -100,6 +102,8 @@ def all_points(sizes: Sizes) -> list[Point]:
         points.append(Point("dflash", long, a))
         if a != min(desc):
             points.append(Point("dflash", long, a, checkpoint=True))
+        if a == max(desc):  # the shipped recipes' loss (CE to the data tokens), for its memory
+            points.append(Point("dflash", long, a, checkpoint=True, loss="tokens"))
     points += [Point("eagle3", p, ttt_steps=sizes.ttt_steps) for p in sorted(sizes.packs)]
     points += [Point("dflash", short, a) for a in sorted(sizes.anchors)]
     return points
@@ -130,6 +134,7 @@ def run_point(
         model = build(point.kind, sizes, vocab)
     model.to(device)
     model.checkpoint_layers = point.checkpoint
+    loss = point.loss or loss
     head = target_head(sizes, device) if loss == "target_logits" else None
     batch = random_batch(sizes, point.pack, vocab, device)
     gen = torch.Generator(device=device).manual_seed(4)
@@ -179,19 +184,21 @@ def run_point(
 def guarded(point: Point, device: torch.device, **kwargs) -> dict:
     """One point; OOM and any other error become a row of the table, never the end of the run."""
     row = {"name": point.name, **asdict(point), "status": "ok"}
+    row["loss"] = point.loss or kwargs["loss"]
     free_memory(device)
     try:
         row.update(run_point(point, device=device, **kwargs))
         if not row["finite"]:
             row["status"] = "non-finite loss"
     except torch.cuda.OutOfMemoryError:
-        row["status"] = "OOM"
+        row["status"], row["fits_80gb"] = "OOM", False  # more than the GPU (or --cap-gib) holds
         row["peak_gib"], row["peak_reserved_gib"] = memory_gib(device)
     except Exception as exc:  # report it and go on: one run on the device must give every figure it can
         oom = "out of memory" in str(exc).lower()  # e.g. raised inside compilation, wrapped
         row["status"] = "OOM" if oom else "error"
         row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         if oom:
+            row["fits_80gb"] = False
             row["peak_gib"], row["peak_reserved_gib"] = memory_gib(device)
         traceback.print_exc()
         sys.stderr.flush()
@@ -204,7 +211,7 @@ def guarded(point: Point, device: torch.device, **kwargs) -> dict:
 
 def print_table(rows: list[dict], order: list[str]) -> None:
     header = (
-        f"{'point':<24} {'pack':>6} {'anch/ttt':>8} {'status':>7} {'step ms':>9} {'tokens/s':>10} "
+        f"{'point':<30} {'pack':>6} {'anch/ttt':>8} {'status':>7} {'step ms':>9} {'tokens/s':>10} "
         f"{'peak GiB':>9} {'fwd GiB':>8} {'rsvd GiB':>9} {'<=80GB':>6} {'warm-up s':>9} {'loss':>8}"
     )
     print("\n" + header + "\n" + "-" * len(header), flush=True)
@@ -212,7 +219,7 @@ def print_table(rows: list[dict], order: list[str]) -> None:
         fits = {True: "yes", False: "no", None: "-"}[row.get("fits_80gb")]
         width = row["anchors"] if row["kind"] == "dflash" else row["ttt_steps"]
         print(
-            f"{row['name']:<24} {row['pack']:>6} {width:>8} {row['status']:>7} "
+            f"{row['name']:<30} {row['pack']:>6} {width:>8} {row['status']:>7} "
             f"{fmt(row.get('step_ms'), '.0f'):>9} {fmt(row.get('tokens_per_s'), ',.0f'):>10} "
             f"{fmt(row.get('peak_gib'), '.1f'):>9} {fmt(row.get('forward_peak_gib'), '.1f'):>8} "
             f"{fmt(row.get('peak_reserved_gib'), '.1f'):>9} {fits:>6} "

@@ -92,6 +92,7 @@ def test_smoke_run_checks_flex_and_trains_every_point_with_only_the_models_impor
     assert sorted(p["name"] for p in result["points"]) == sorted(names)
     assert {p["kind"] for p in result["points"]} == {"dflash", "eagle3"}
     assert any(p["checkpoint"] for p in result["points"])
+    assert {p["loss"] for p in result["points"]} == {"target_logits", "tokens"}
     for point in result["points"]:
         assert point["status"] == "ok", point
         assert point["tokens_per_s"] > 0 and math.isfinite(point["last_loss"]), point
