@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 # Absent on the CUDA machine (pydantic, Prefect, vLLM) or not needed by the models; and every
 # draftflow package above draftflow.models.
@@ -72,6 +74,7 @@ def _run(root: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # ~30 s of CPU compute
 def test_smoke_run_checks_flex_and_trains_every_point_with_only_the_models_importable(tmp_path):
     root = _plain_copy(tmp_path)
     out = tmp_path / "smoke.json"
