@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "points": [],
     }
 
-    def save() -> None:  # after every step of the run, so a killed run still leaves its figures
+    def save() -> None:  # after every point, so a run killed at its time limit still leaves its figures
         result["total_s"] = time.perf_counter() - start
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
