@@ -51,6 +51,66 @@ def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
     return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
+class _GatheredSoftCrossEntropy(torch.autograd.Function):
+    """``-sum_v p[index[n], v] log_softmax(logits[n])_v`` per row n, p rows shared by index.
+
+    Written as ``logsumexp(logits[n]) - p[index[n]] · logits[n]`` (p sums to 1), gradient
+    ``softmax(logits[n]) - p[index[n]]``. Processed in row chunks so neither the gathered
+    target distribution nor a log-softmax of the logits ever exists in full: the only
+    [rows, vocab] tensors are the logits (saved) and, in backward, their gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor, chunk: int) -> Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        out = torch.empty_like(lse)
+        for s in range(0, logits.shape[0], chunk):
+            x = logits[s:s + chunk].float()
+            lse[s:s + chunk] = torch.logsumexp(x, -1)
+            out[s:s + chunk] = lse[s:s + chunk] - (x * probs[index[s:s + chunk]]).sum(-1)
+        ctx.save_for_backward(logits, probs, index, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, probs, index, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            g = torch.exp(logits[s:e].float() - lse[s:e, None]).sub_(probs[index[s:e]])
+            grad[s:e] = g.mul_(grad_out[s:e, None])
+        return grad, None, None, None
+
+
+def soft_cross_entropy_gathered(logits: Tensor, target_probs: Tensor, index: Tensor,
+                                chunk_rows: int = 1024) -> Tensor:
+    """Per-item soft CE [...] of ``logits`` [..., V] to the rows ``target_probs[index]``.
+
+    target_probs: [U, V] distributions (no gradient), shared by items with the same index
+    [...] (several blocks predicting the same token position). Equals
+    ``soft_cross_entropy(logits, target_logits[index])`` with ``target_probs`` the softmax
+    of ``target_logits``, in less time and memory.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = _GatheredSoftCrossEntropy.apply(flat, target_probs.float().detach(), index.reshape(-1), chunk_rows)
+    return out.view(index.shape)
+
+
+def target_probs(target_head, last_hidden: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's distributions at positions ``index`` [Bt, N] of ``last_hidden`` [Bt, T, H]:
+    (probs [U, V], rows [Bt, N]) for :func:`soft_cross_entropy_gathered`.
+
+    A :class:`~draftflow.models.target_weights.TargetHead` computes each distinct position
+    once (``probs_at``); any other head module is applied to every gathered item."""
+    if hasattr(target_head, "probs_at"):
+        return target_head.probs_at(last_hidden, index)
+    with torch.no_grad():
+        gathered = last_hidden.gather(1, index[..., None].expand(-1, -1, last_hidden.shape[-1]))
+        probs = torch.softmax(target_head(gathered).float(), dim=-1)
+    return probs.reshape(index.numel(), -1), torch.arange(index.numel(), device=index.device).view(index.shape)
+
+
 @dataclass
 class DraftMetrics:
     """Sums over the drafts of one batch (add them across ranks before dividing).

@@ -31,7 +31,8 @@ from draftflow.models.common import PackedBatch, RMSNorm, RotaryEmbedding, SwiGL
 from draftflow.models.eagle3.attention import ttt_attention
 from draftflow.models.eagle3.config import Eagle3Config
 from draftflow.models.losses import (
-    LossKind, LossOutput, draft_metrics, soft_cross_entropy, token_cross_entropy, ttt_weight, weighted_mean,
+    LossKind, LossOutput, draft_metrics, soft_cross_entropy_gathered, target_probs, token_cross_entropy, ttt_weight,
+    weighted_mean,
 )
 from draftflow.models.vocab import DraftVocab
 
@@ -189,6 +190,13 @@ def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: 
     outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, doc_start, steps)
     mask = batch.loss_mask.bool()
     total = torch.zeros((), device=pos.device)
+    if loss == "target_logits":
+        if target_head is None or batch.last_hidden is None:
+            raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
+        # The target's distribution at every position, once for all steps (step k at index i
+        # reads position i+1+k; indices past the end are unlabelled and read the last row).
+        idx = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)
+        probs, rows = target_probs(target_head, batch.last_hidden, idx)
     preds, labels, labelled = [], [], []
     for k, out in enumerate(outs):
         logits = model.compute_logits(out)  # [Bt, T, Vd]
@@ -198,10 +206,8 @@ def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: 
             lab_ce = lab.masked_fill(~ok, -1)
             per_item, weights = token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float()
         elif loss == "target_logits":
-            if target_head is None or batch.last_hidden is None:
-                raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
-            per_item = soft_cross_entropy(logits, target_head(shift_left(batch.last_hidden, 1 + k)))
-            weights = ok.float()
+            at = torch.cat([rows[:, 1 + k:], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
+            per_item, weights = soft_cross_entropy_gathered(logits, probs, at[:, :rows.shape[1]]), ok.float()
         else:
             raise ValueError(f"unknown loss {loss!r}")
         total = total + ttt_weight(decay, k) * weighted_mean(per_item, weights)
