@@ -120,18 +120,21 @@ def main(folder: Path) -> None:
     kwargs = forward_kwargs(meta, x)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=meta["lr"])
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for _ in range(1 + meta["steps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _, loss, _metrics = model(**kwargs)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(float(loss.detach()))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step_s = sum(times[1:]) / max(1, len(times) - 1)
+    cpu_s = sum(cpu[1:]) / max(1, len(cpu) - 1)
     print(json.dumps({"step_s": round(step_s, 4), "tokens_per_s": round(meta["seq"] / step_s, 1),
+                      "cpu_s": round(cpu_s, 4),
                       "peak_rss_mb": round(peak / 1024, 1), "rss_growth_mb": round((peak - base) / 1024, 1),
                       "first_loss": round(losses[0], 6),
                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}))
