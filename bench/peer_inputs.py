@@ -160,3 +160,23 @@ def step_report(meta: dict, times: list[float], cpu: list[float], losses: list[f
     return {"step_s": round(step_s, 4), "tokens_per_s": round(meta["seq"] / step_s, 1), "cpu_s": round(cpu_s, 4),
             "peak_rss_mb": round(peak / 1024, 1), "rss_growth_mb": round((peak - base_rss_kb) / 1024, 1),
             "first_loss": round(losses[0], 6)}
+
+
+@torch.no_grad()
+def reference_convention_loss(folder: Path) -> float:
+    """DFlash: draftflow's model on the point's inputs, loss written as speculators writes
+    it (KL to the target, decay-weighted, divided by the number of labelled slots), from
+    public model methods only. Equal to the reference's first loss when both do the same work."""
+    from draftflow.models.dflash.model import block_targets
+    from draftflow.models.losses import dflash_position_weights
+
+    meta, model, batch, head, (anchors, valid) = load_draftflow(folder)
+    start, end, pos = batch.documents()
+    ids, bpos, lo, hi = model.make_blocks(batch.input_ids, pos, start, anchors, valid)
+    hidden = model(ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi)
+    logq = torch.log_softmax(model.compute_logits(hidden[:, :, 1:]), -1)
+    tgt, _, labelled = block_targets(batch.input_ids, batch.loss_mask, end, anchors, valid, BLOCK)
+    logp = torch.log_softmax(head(batch.last_hidden[0, tgt[0] - 1])[None], -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    w = dflash_position_weights(BLOCK, GAMMA)[1:] * labelled
+    return float((kl * w).sum() / (labelled.sum() + 1e-5))

@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from peer_inputs import point_meta, run_draftflow, write_inputs  # noqa: E402
+from peer_inputs import point_meta, reference_convention_loss, run_draftflow, write_inputs  # noqa: E402
 from peer_venv import ensure_peer_venv  # noqa: E402
 
 # (name, kind, seq, anchors, ttt steps, timed steps)
@@ -84,6 +84,11 @@ def measure(points, reps: int, threads: int, peer_python: Path, timeout: int) ->
                     result[who] = run_child(cmd, timeout)
                     print(f"  {name} rep {rep + 1} {who}: {json.dumps(result[who])}", flush=True)
                 rows.append({"point": name, "rep": rep + 1, **result})
+            if kind == "dflash" and seq <= 1024 and "first_loss" in result.get("reference", {}):
+                ours = reference_convention_loss(folder)
+                theirs = result["reference"]["first_loss"]
+                print(f"  {name} same-work check: first loss, speculators' convention: reference {theirs:.6f}, "
+                      f"draftflow {ours:.6f} (|diff| {abs(ours - theirs):.1e})", flush=True)
     return rows
 
 

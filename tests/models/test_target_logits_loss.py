@@ -97,6 +97,12 @@ def test_target_head_probs_at_equals_the_head_applied_per_position(synthetic):
         for n in range(index.shape[1]):
             expected = torch.softmax(head(last[b, int(index[b, n])]), -1)
             torch.testing.assert_close(probs[rows[b, n]], expected, rtol=1e-6, atol=1e-7)
+    keep = torch.tensor([[True, False, False, True, False, False], [False, False, True, False, False, True]])
+    probs, rows = head.probs_at(last, index, keep)
+    assert probs.shape[0] == 4  # only the kept items' positions are computed
+    for b, n in keep.nonzero().tolist():
+        torch.testing.assert_close(probs[rows[b, n]], torch.softmax(head(last[b, int(index[b, n])]), -1),
+                                   rtol=1e-6, atol=1e-7)
 
 
 def test_gathered_soft_cross_entropy_equals_the_plain_one_with_gradient():
