@@ -14,8 +14,9 @@ runs in its own process (so peak RSS is its own): draftflow here, the reference 
 ``peer_driver.py`` under the peer venv's python, which drives speculators' own model classes.
 
 Printed per point: tokens/s (packed tokens / mean wall time of the timed steps, after one
-warm-up step), CPU seconds per step, peak RSS, and draftflow/reference ratios (tokens/s:
-higher is better for draftflow; RSS: lower). Repetitions alternate which trainer runs first.
+warm-up step), peak RSS, and ratios: speed = reference / draftflow mean step time over the
+repetitions (> 1: draftflow faster), CPU time likewise (process CPU seconds per step, less
+sensitive to other processes on a shared host), RSS = draftflow / reference (< 1: smaller). Repetitions alternate which trainer runs first.
 Where the reference fails (e.g. killed for memory) the row says so.
 
 What differs between the two steps (same result, different work):
@@ -107,7 +108,7 @@ def summarise(rows: list[dict]) -> list[str]:
         ratio = cpu = rss = "-"
         if ref and ours:
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-            ratio = f"{mean(ours, 'tokens_per_s') / mean(ref, 'tokens_per_s'):.2f}x"
+            ratio = f"{mean(ref, 'step_s') / mean(ours, 'step_s'):.2f}x"  # mean step times: one lucky run counts less
             cpu = f"{mean(ref, 'cpu_s') / mean(ours, 'cpu_s'):.2f}x"
             rss = f"{mean(ours, 'peak_rss_mb') / mean(ref, 'peak_rss_mb'):.2f}x"
         ref_tps = _fmt([r["tokens_per_s"] for r in ref]) if ref else "; ".join(sorted(errors))
