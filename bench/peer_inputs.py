@@ -27,12 +27,32 @@ GAMMA, TTT_DECAY, LR = 4.0, 0.8, 1e-4
 PROMPT_FRACTION = 0.125  # the first tokens are "prompt": loss mask 0, never anchors
 
 
-def point_meta(kind: str, seq: int, anchors: int, ttt_steps: int, steps: int, threads: int) -> dict:
-    return {"kind": kind, "seq": seq, "anchors": anchors, "ttt_steps": ttt_steps, "steps": steps,
-            "threads": threads, "hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-            "intermediate": INTERMEDIATE, "vocab": VOCAB, "draft_vocab": DRAFT_VOCAB,
-            "context_layers": CONTEXT_LAYERS, "rms_eps": RMS_EPS, "rope_theta": ROPE_THETA, "block": BLOCK,
-            "mask_token": MASK_TOKEN, "gamma": GAMMA, "ttt_decay": TTT_DECAY, "lr": LR}
+def point_meta(
+    kind: str, seq: int, anchors: int, ttt_steps: int, steps: int, threads: int
+) -> dict:
+    return {
+        "kind": kind,
+        "seq": seq,
+        "anchors": anchors,
+        "ttt_steps": ttt_steps,
+        "steps": steps,
+        "threads": threads,
+        "hidden": HIDDEN,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate": INTERMEDIATE,
+        "vocab": VOCAB,
+        "draft_vocab": DRAFT_VOCAB,
+        "context_layers": CONTEXT_LAYERS,
+        "rms_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "block": BLOCK,
+        "mask_token": MASK_TOKEN,
+        "gamma": GAMMA,
+        "ttt_decay": TTT_DECAY,
+        "lr": LR,
+    }
 
 
 def _vocab(gen: torch.Generator):
@@ -48,16 +68,34 @@ def build_drafter(meta: dict, vocab):
     from draftflow.models.eagle3.config import Eagle3Config
     from draftflow.models.eagle3.model import Eagle3Drafter
 
-    shape = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                 head_dim=HEAD_DIM, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, rms_norm_eps=RMS_EPS,
-                 rope_theta=ROPE_THETA)
+    shape = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        rms_norm_eps=RMS_EPS,
+        rope_theta=ROPE_THETA,
+    )
     if meta["kind"] == "dflash":
-        cfg = DFlashConfig(num_layers=1, num_context_layers=CONTEXT_LAYERS, block_size=BLOCK,
-                           mask_token_id=MASK_TOKEN, **shape)
+        cfg = DFlashConfig(
+            num_layers=1,
+            num_context_layers=CONTEXT_LAYERS,
+            block_size=BLOCK,
+            mask_token_id=MASK_TOKEN,
+            **shape,
+        )
         model = DFlashDrafter(cfg, vocab)
     else:
         # speculators trains Eagle3 with a frozen lm_head (the target's draft rows): same here
-        cfg = Eagle3Config(num_aux_layers=CONTEXT_LAYERS, norm_before_residual=True, freeze_lm_head=True, **shape)
+        cfg = Eagle3Config(
+            num_aux_layers=CONTEXT_LAYERS,
+            norm_before_residual=True,
+            freeze_lm_head=True,
+            **shape,
+        )
         model = Eagle3Drafter(cfg, vocab)
     model.attn_impl = "dense"
     return model
@@ -74,27 +112,39 @@ def write_inputs(folder: Path, meta: dict, seed: int = 0) -> None:
         "input_ids": torch.randint(0, VOCAB, (1, t), generator=gen),
         "hidden_states": torch.randn(1, t, CONTEXT_LAYERS, HIDDEN, generator=gen),
         "last_hidden": torch.randn(1, t, HIDDEN, generator=gen) * 4.0,
-        "loss_mask": (torch.arange(t) >= int(t * PROMPT_FRACTION)).to(torch.int64)[None],
+        "loss_mask": (torch.arange(t) >= int(t * PROMPT_FRACTION)).to(torch.int64)[
+            None
+        ],
         "embed": torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02,
         "final_norm": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
-        "d2t": vocab.d2t, "t2d": vocab.t2d,
+        "d2t": vocab.d2t,
+        "t2d": vocab.t2d,
     }
-    tensors["target_head"] = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05)[vocab.target_ids()]
+    tensors["target_head"] = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05)[
+        vocab.target_ids()
+    ]
     # Anchors: loss-masked, a full block inside the sequence, at least one context token before
     # (both trainers' eligibility rules agree on these), sorted, all valid.
     lo = int(t * PROMPT_FRACTION)
     eligible = torch.arange(max(1, lo), t - b)
-    tensors["anchors"] = eligible[torch.randperm(eligible.numel(), generator=gen)[:a]].sort().values
+    tensors["anchors"] = (
+        eligible[torch.randperm(eligible.numel(), generator=gen)[:a]].sort().values
+    )
     torch.manual_seed(seed)
     model = build_drafter(meta, vocab)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(tensors["embed"])
-        model.lm_head.weight.copy_(tensors["target_head"])  # both trainers start from the target's rows
+        model.lm_head.weight.copy_(
+            tensors["target_head"]
+        )  # both trainers start from the target's rows
     for name, value in model.state_dict().items():
         if name not in ("d2t", "t2d", "embed_tokens.weight"):
             tensors["drafter." + name] = value
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "inputs.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(folder / "inputs.safetensors"),
+    )
     (folder / "point.json").write_text(json.dumps(meta))
 
 
@@ -110,14 +160,26 @@ def load_draftflow(folder: Path):
     x = load_file(str(folder / "inputs.safetensors"))
     vocab = DraftVocab(x["d2t"], x["t2d"])
     model = build_drafter(meta, vocab)
-    state = {k.removeprefix("drafter."): v for k, v in x.items() if k.startswith("drafter.")}
+    state = {
+        k.removeprefix("drafter."): v for k, v in x.items() if k.startswith("drafter.")
+    }
     state["embed_tokens.weight"] = x["embed"]
     model.load_state_dict(state, strict=False)
-    batch = PackedBatch(input_ids=x["input_ids"], hidden_states=x["hidden_states"], loss_mask=x["loss_mask"],
-                        last_hidden=x["last_hidden"])
+    batch = PackedBatch(
+        input_ids=x["input_ids"],
+        hidden_states=x["hidden_states"],
+        loss_mask=x["loss_mask"],
+        last_hidden=x["last_hidden"],
+    )
     head = TargetHead(x["final_norm"], x["target_head"], RMS_EPS)
     anchors = x["anchors"][None]
-    return meta, model, batch, head, (anchors, torch.ones_like(anchors, dtype=torch.bool))
+    return (
+        meta,
+        model,
+        batch,
+        head,
+        (anchors, torch.ones_like(anchors, dtype=torch.bool)),
+    )
 
 
 def draftflow_loss(meta: dict, model, batch, head, anchors):
@@ -125,10 +187,23 @@ def draftflow_loss(meta: dict, model, batch, head, anchors):
     from draftflow.models.eagle3.model import eagle3_loss
 
     if meta["kind"] == "dflash":
-        return dflash_loss(model, batch, max_anchors=meta["anchors"], gamma=GAMMA, loss="target_logits",
-                           target_head=head, anchors=anchors).loss
-    return eagle3_loss(model, batch, steps=meta["ttt_steps"], decay=TTT_DECAY, loss="target_logits",
-                       target_head=head).loss
+        return dflash_loss(
+            model,
+            batch,
+            max_anchors=meta["anchors"],
+            gamma=GAMMA,
+            loss="target_logits",
+            target_head=head,
+            anchors=anchors,
+        ).loss
+    return eagle3_loss(
+        model,
+        batch,
+        steps=meta["ttt_steps"],
+        decay=TTT_DECAY,
+        loss="target_logits",
+        target_head=head,
+    ).loss
 
 
 def run_draftflow(folder: Path) -> dict:
@@ -151,15 +226,26 @@ def run_draftflow(folder: Path) -> dict:
     return step_report(meta, times, cpu, losses, base)
 
 
-def step_report(meta: dict, times: list[float], cpu: list[float], losses: list[float], base_rss_kb: int) -> dict:
+def step_report(
+    meta: dict,
+    times: list[float],
+    cpu: list[float],
+    losses: list[float],
+    base_rss_kb: int,
+) -> dict:
     """Mean over the timed steps (the first, warm-up step excluded). cpu_s: process CPU time
     per step, all threads: less sensitive than wall time to other processes on the host."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     step_s = sum(times[1:]) / max(1, len(times) - 1)
     cpu_s = sum(cpu[1:]) / max(1, len(cpu) - 1)
-    return {"step_s": round(step_s, 4), "tokens_per_s": round(meta["seq"] / step_s, 1), "cpu_s": round(cpu_s, 4),
-            "peak_rss_mb": round(peak / 1024, 1), "rss_growth_mb": round((peak - base_rss_kb) / 1024, 1),
-            "first_loss": round(losses[0], 6)}
+    return {
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(meta["seq"] / step_s, 1),
+        "cpu_s": round(cpu_s, 4),
+        "peak_rss_mb": round(peak / 1024, 1),
+        "rss_growth_mb": round((peak - base_rss_kb) / 1024, 1),
+        "first_loss": round(losses[0], 6),
+    }
 
 
 @torch.no_grad()
@@ -170,12 +256,14 @@ def reference_convention_loss(folder: Path) -> float:
     from draftflow.models.dflash.model import block_targets
     from draftflow.models.losses import dflash_position_weights
 
-    meta, model, batch, head, (anchors, valid) = load_draftflow(folder)
+    _, model, batch, head, (anchors, valid) = load_draftflow(folder)
     start, end, pos = batch.documents()
     ids, bpos, lo, hi = model.make_blocks(batch.input_ids, pos, start, anchors, valid)
     hidden = model(ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi)
     logq = torch.log_softmax(model.compute_logits(hidden[:, :, 1:]), -1)
-    tgt, _, labelled = block_targets(batch.input_ids, batch.loss_mask, end, anchors, valid, BLOCK)
+    tgt, _, labelled = block_targets(
+        batch.input_ids, batch.loss_mask, end, anchors, valid, BLOCK
+    )
     logp = torch.log_softmax(head(batch.last_hidden[0, tgt[0] - 1])[None], -1)
     kl = (logp.exp() * (logp - logq)).sum(-1)
     w = dflash_position_weights(BLOCK, GAMMA)[1:] * labelled

@@ -17,9 +17,24 @@ from pathlib import Path
 TORCH_PIN = "torch==2.13.0"
 PEER_PINS = ["speculators==0.9.0", "hs-connectors==0.9.0"]
 PEER_REQUIREMENTS = [
-    "aiohttp", "click", "datasets>=4,<=5.1", "httpx", "huggingface-hub", "loguru", "numpy", "openai",
-    "protobuf", "psutil", "pydantic", "pydantic-settings", "rich", "safetensors", "tqdm",
-    "transformers>=5,<=5.19", "typer", "tokenizers",
+    "aiohttp",
+    "click",
+    "datasets>=4,<=5.1",
+    "httpx",
+    "huggingface-hub",
+    "loguru",
+    "numpy",
+    "openai",
+    "protobuf",
+    "psutil",
+    "pydantic",
+    "pydantic-settings",
+    "rich",
+    "safetensors",
+    "tqdm",
+    "transformers>=5,<=5.19",
+    "typer",
+    "tokenizers",
 ]
 
 
@@ -40,7 +55,9 @@ def ensure_peer_venv(log=print) -> Path:
     stamp = venv / ".draftflow-stamp"
     if stamp.is_file() and stamp.read_text().strip() == _stamp() and python.is_file():
         return python
-    log(f"installing the reference trainer (speculators 0.9.0) into {venv} (first use, a few minutes)")
+    log(
+        f"installing the reference trainer (speculators 0.9.0) into {venv} (first use, a few minutes)"
+    )
     venv.parent.mkdir(parents=True, exist_ok=True)
     if not python.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -49,8 +66,21 @@ def ensure_peer_venv(log=print) -> Path:
     subprocess.run([*pip, "--no-deps", *PEER_PINS], check=True)
     subprocess.run([*pip, *PEER_REQUIREMENTS], check=True)
     # CUDA builds of these break next to CPU torch; training needs none of them.
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
-                    "torchcodec", "triton"], check=False)
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "uninstall",
+            "-q",
+            "-y",
+            "torchvision",
+            "torchaudio",
+            "torchcodec",
+            "triton",
+        ],
+        check=False,
+    )
     subprocess.run([str(python), "-c", "import speculators, torch"], check=True)
     stamp.write_text(_stamp() + "\n")
     return python

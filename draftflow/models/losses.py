@@ -103,7 +103,8 @@ def soft_cross_entropy_gathered(logits: Tensor, target_probs: Tensor, index: Ten
     return out.view(index.shape)
 
 
-def target_probs(target_head, last_hidden: Tensor, index: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def target_probs(target_head, last_hidden: Tensor, index: Tensor,
+                 keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The target's distributions at positions ``index`` [Bt, N] of ``last_hidden`` [Bt, T, H]:
     (probs [U, V], rows [Bt, N]) for :func:`soft_cross_entropy_gathered`. Items outside
     ``keep`` [Bt, N] (default: all) need not be computed; their rows point anywhere.
@@ -115,7 +116,8 @@ def target_probs(target_head, last_hidden: Tensor, index: Tensor, keep: Tensor |
     with torch.no_grad():
         gathered = last_hidden.gather(1, index[..., None].expand(-1, -1, last_hidden.shape[-1]))
         probs = torch.softmax(target_head(gathered).float(), dim=-1)
-    return probs.reshape(index.numel(), -1), torch.arange(index.numel(), device=index.device).view(index.shape)
+    rows = torch.arange(index.numel(), device=index.device).view(index.shape)
+    return probs.reshape(index.numel(), -1), rows
 
 
 @dataclass

@@ -145,7 +145,8 @@ class TargetHead(nn.Module):
         return logits
 
     @torch.no_grad()
-    def probs_at(self, last_hidden: Tensor, index: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def probs_at(self, last_hidden: Tensor, index: Tensor,
+                 keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The target's distributions at ``index`` [Bt, N] (positions into the T axis of
         ``last_hidden`` [Bt, T, H]), each distinct position computed once.
 

@@ -256,5 +256,6 @@ def dflash_loss(model: DFlashDrafter, batch: PackedBatch, *, max_anchors: int, g
     k = b - 1
     pred = torch.full_like(labels, -1)
     pred[labelled] = logits.argmax(-1)  # unlabelled slots never count as hits
-    metrics = draft_metrics(pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k), valid.reshape(-1))
+    metrics = draft_metrics(pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k),
+                            valid.reshape(-1))
     return LossOutput(weighted_mean(per_item, weights), metrics)

@@ -31,8 +31,8 @@ from draftflow.models.common import PackedBatch, RMSNorm, RotaryEmbedding, SwiGL
 from draftflow.models.eagle3.attention import ttt_attention
 from draftflow.models.eagle3.config import Eagle3Config
 from draftflow.models.losses import (
-    LossKind, LossOutput, draft_metrics, soft_cross_entropy_gathered, target_probs, token_cross_entropy, ttt_weight,
-    weighted_mean,
+    LossKind, LossOutput, draft_metrics, soft_cross_entropy_gathered, target_probs, token_cross_entropy,
+    ttt_weight, weighted_mean,
 )
 from draftflow.models.vocab import DraftVocab
 
