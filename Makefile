@@ -23,3 +23,4 @@ test-fast: bootstrap
 bench: bootstrap
 	.venv/bin/python bench/extraction.py
 	.venv/bin/python bench/train.py
+	.venv/bin/python bench/peer_train.py

@@ -51,6 +51,75 @@ def soft_cross_entropy(logits: Tensor, target_logits: Tensor) -> Tensor:
     return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
+class _GatheredSoftCrossEntropy(torch.autograd.Function):
+    """``-sum_v p[index[n], v] log_softmax(logits[n])_v`` per row n, p rows shared by index.
+
+    Written as ``logsumexp(logits[n]) - p[index[n]] · logits[n]`` (p sums to 1), gradient
+    ``softmax(logits[n]) - p[index[n]]``. Processed in row chunks through one reused buffer,
+    so neither the gathered target distribution nor a log-softmax of the logits ever exists
+    in full: the only [rows, vocab] tensors are the logits (saved) and their gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor, index: Tensor, chunk: int) -> Tensor:
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        out = torch.empty_like(lse)
+        buf = probs.new_empty(min(chunk, n), probs.shape[1])
+        for s in range(0, n, chunk):
+            x = logits[s:s + chunk].float()
+            p = torch.index_select(probs, 0, index[s:s + chunk], out=buf[:x.shape[0]])
+            lse[s:s + chunk] = torch.logsumexp(x, -1)
+            out[s:s + chunk] = lse[s:s + chunk] - torch.linalg.vecdot(x, p)
+        ctx.save_for_backward(logits, probs, index, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, probs, index, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits, dtype=torch.float32)
+        buf = probs.new_empty(min(ctx.chunk, logits.shape[0]), probs.shape[1])
+        for s in range(0, logits.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            g = grad[s:e]
+            torch.sub(logits[s:e].float(), lse[s:e, None], out=g)
+            g.exp_().sub_(torch.index_select(probs, 0, index[s:e], out=buf[:g.shape[0]]))
+            g.mul_(grad_out[s:e, None])
+        return grad.to(logits.dtype), None, None, None
+
+
+def soft_cross_entropy_gathered(logits: Tensor, target_probs: Tensor, index: Tensor,
+                                chunk_rows: int = 512) -> Tensor:
+    """Per-item soft CE [...] of ``logits`` [..., V] to the rows ``target_probs[index]``.
+
+    target_probs: [U, V] distributions (no gradient), shared by items with the same index
+    [...] (several blocks predicting the same token position). Equals
+    ``soft_cross_entropy(logits, target_logits[index])`` with ``target_probs`` the softmax
+    of ``target_logits``, in less time and memory.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = _GatheredSoftCrossEntropy.apply(flat, target_probs.float().detach(), index.reshape(-1), chunk_rows)
+    return out.view(index.shape)
+
+
+def target_probs(target_head, last_hidden: Tensor, index: Tensor,
+                 keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The target's distributions at positions ``index`` [Bt, N] of ``last_hidden`` [Bt, T, H]:
+    (probs [U, V], rows [Bt, N]) for :func:`soft_cross_entropy_gathered`. Items outside
+    ``keep`` [Bt, N] (default: all) need not be computed; their rows point anywhere.
+
+    A :class:`~draftflow.models.target_weights.TargetHead` computes each distinct position
+    once (``probs_at``); any other head module is applied to every gathered item."""
+    if hasattr(target_head, "probs_at"):
+        return target_head.probs_at(last_hidden, index, keep)
+    with torch.no_grad():
+        gathered = last_hidden.gather(1, index[..., None].expand(-1, -1, last_hidden.shape[-1]))
+        probs = torch.softmax(target_head(gathered).float(), dim=-1)
+    rows = torch.arange(index.numel(), device=index.device).view(index.shape)
+    return probs.reshape(index.numel(), -1), rows
+
+
 @dataclass
 class DraftMetrics:
     """Sums over the drafts of one batch (add them across ranks before dividing).

@@ -143,3 +143,25 @@ class TargetHead(nn.Module):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    @torch.no_grad()
+    def probs_at(self, last_hidden: Tensor, index: Tensor,
+                 keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The target's distributions at ``index`` [Bt, N] (positions into the T axis of
+        ``last_hidden`` [Bt, T, H]), each distinct position computed once.
+
+        Returns probs [U, draft_vocab] (softmax of :meth:`forward`, fp32) over the U <= Bt·T
+        distinct (row, position) pairs, and rows [Bt, N] with
+        ``probs[rows[b, n]] == softmax(self(last_hidden[b, index[b, n]]))`` wherever
+        ``keep`` [Bt, N] (default: everywhere; elsewhere rows are 0 and nothing is computed).
+        Blocks overlap (A·(B-1) items, at most T positions): up to (B-1)x less head work.
+        """
+        bt, t, h = last_hidden.shape
+        flat = (index + torch.arange(bt, device=index.device)[:, None] * t).reshape(-1)
+        rows = torch.zeros_like(flat)
+        kept = keep.reshape(-1) if keep is not None else torch.ones_like(flat, dtype=torch.bool)
+        unique, rows[kept] = torch.unique(flat[kept], return_inverse=True)
+        probs = self(last_hidden.reshape(bt * t, h)[unique])  # softmax in place: one [U, V] buffer
+        probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+        probs.div_(probs.sum(-1, keepdim=True))
+        return probs, rows.view(index.shape)

@@ -131,3 +131,27 @@ def test_propose_equals_ttt_when_drafts_match_the_data():
         outs = model.forward_ttt(full, aux_full, pos, torch.zeros_like(pos), STEPS)
         ttt = [model.vocab.to_target(model.compute_logits(o[0, t - 2]).argmax(-1)) for o in outs]
     assert torch.stack(ttt).tolist() == drafts[0].tolist()
+
+
+def test_ttt_chunked_sdpa_path_equals_the_log_sum_exp_reference_with_gradient():
+    from draftflow.models.common import document_bounds
+    from draftflow.models.eagle3.attention import ttt_attention_chunked, ttt_attention_merged
+
+    g = torch.Generator().manual_seed(3)
+    doc = torch.tensor([[0] * 9 + [1] * 14 + [2] * 7, [3] * 20 + [4] * 10])
+    start, _ = document_bounds(doc)
+    hi = torch.arange(1, 31).expand(2, 30)
+    for steps in (0, 2):
+        leaves = [torch.randn(2, 30, 4, 8, generator=g, requires_grad=True)]
+        leaves += [torch.randn(2, 30, 2, 8, generator=g, requires_grad=True) for _ in range(2 + 2 * steps)]
+        q, k0, v0, *prev = leaves
+        weights = torch.randn(2, 30, 4, 8, generator=g)
+        results = []
+        for fn, kw in ((ttt_attention_chunked, {"max_chunk_queries": 7}), (ttt_attention_merged, {})):
+            out = fn(q, k0, v0, prev[:steps], prev[steps:], start, hi, 0.3, **kw)
+            results.append((out, torch.autograd.grad((out * weights).sum(), leaves, allow_unused=True)))
+        (fast, fast_grads), (ref, ref_grads) = results
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip(fast_grads, ref_grads):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -72,7 +72,7 @@ def dflash_attention_merged(
 
 def dflash_attention_chunked(
     q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, lo: Tensor, hi: Tensor, scale: float,
-    max_chunk_elems: int = 1 << 24, max_chunk_queries: int = 1024,
+    max_chunk_elems: int = 1 << 24, max_chunk_queries: int = 128,
 ) -> Tensor:
     """The CPU path: fused SDPA per chunk of anchors over [context window ; the chunk's blocks].
 
@@ -81,6 +81,12 @@ def dflash_attention_chunked(
     and no [A·B, T + A·B] tensor exists. SDPA's fused kernel (with its own backward) is about
     10x faster on CPU than scoring in Python, and needs no log-sum-exp merge since both key
     sets are in one softmax. Every query sees at least its own block, so no row is empty.
+
+    Chunks are small (128 queries by default) because SDPA on CPU scores every key it is
+    given: with sorted anchors a chunk's window ends at its last anchor, so small chunks
+    score about half the context of a document on average, and a chunk's block keys (its
+    own n·B, block-diagonal) stay few. Measured per step at 1k tokens: 2x less attention
+    time than 1,024-query chunks at 64 and at 512 anchors.
     """
     bt, a, b, nh, hd = q.shape
     t, nkv = ctx_k.shape[1], ctx_k.shape[2]

@@ -33,8 +33,8 @@ from draftflow.models.common import (
 from draftflow.models.dflash.attention import dflash_attention
 from draftflow.models.dflash.config import DFlashConfig
 from draftflow.models.losses import (
-    LossKind, LossOutput, dflash_position_weights, draft_metrics, soft_cross_entropy,
-    token_cross_entropy, weighted_mean,
+    LossKind, LossOutput, dflash_position_weights, draft_metrics, soft_cross_entropy_gathered,
+    target_probs, token_cross_entropy, weighted_mean,
 )
 from draftflow.models.vocab import DraftVocab
 
@@ -236,26 +236,32 @@ def dflash_loss(model: DFlashDrafter, batch: PackedBatch, *, max_anchors: int, g
     anchor_idx, valid = anchors
     block_ids, block_pos, lo, hi = model.make_blocks(batch.input_ids, pos, doc_start, anchor_idx, valid)
     hidden = model(block_ids, block_pos, model.fuse_context(batch.hidden_states), pos, lo, hi)
-    logits = model.compute_logits(hidden[:, :, 1:])  # [Bt, A, B-1, Vd]
-
     tgt, labels, labelled = block_targets(batch.input_ids, batch.loss_mask, doc_end, anchor_idx, valid, b)
     labels = model.vocab.to_draft(labels)
-    weights = dflash_position_weights(b, gamma)[1:].to(logits.device) * labelled
+    weights = dflash_position_weights(b, gamma)[1:].to(hidden.device) * labelled
+    # The head runs only on labelled slots (1..B-1; the rest carry weight 0), gathered into
+    # one contiguous matrix: on the strided slice, which requires grad, the head dispatched
+    # to a batched matmul that copied the weight per anchor (4x slower).
+    logits = model.compute_logits(hidden[:, :, 1:][labelled])  # [M, Vd]
+    weights = weights[labelled]
 
     if loss == "tokens":
-        labels_ce = labels.masked_fill(~labelled, -1)
+        labels_ce = labels[labelled]
         per_item = token_cross_entropy(logits, labels_ce)
         weights = weights * (labels_ce >= 0)
     elif loss == "target_logits":
         if target_head is None or batch.last_hidden is None:
             raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
-        prev = (tgt - 1).flatten(1)  # the target predicts token i from its state at i-1
-        last = batch.last_hidden.gather(1, prev[..., None].expand(-1, -1, batch.last_hidden.shape[-1]))
-        per_item = soft_cross_entropy(logits, target_head(last.view(*tgt.shape, -1)))
+        # The target predicts token i from its state at i-1. Overlapping blocks share target
+        # positions: the head runs once per distinct position (<= T, not A·(B-1) rows).
+        probs, rows = target_probs(target_head, batch.last_hidden, (tgt - 1).flatten(1), labelled.flatten(1))
+        per_item = soft_cross_entropy_gathered(logits, probs, rows.view_as(tgt)[labelled])
     else:
         raise ValueError(f"unknown loss {loss!r}")
 
     k = b - 1
-    metrics = draft_metrics(logits.argmax(-1).reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k),
+    pred = torch.full_like(labels, -1)
+    pred[labelled] = logits.argmax(-1)  # unlabelled slots never count as hits
+    metrics = draft_metrics(pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k),
                             valid.reshape(-1))
     return LossOutput(weighted_mean(per_item, weights), metrics)

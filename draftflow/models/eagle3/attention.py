@@ -9,14 +9,16 @@ has accepted everything up to index i (the anchor p = i):
   these are the KV-cache entries the previous draft steps wrote at p+1..p+k.
 Never: step >= 1 keys at other indices (they belong to other anchors' drafts).
 
-The causal part is range attention (dense chunked or flex); the per-index part is a tiny
-``[k]`` attention; the two are merged exactly by log-sum-exp, as in EAGLE-3/SpecForge's
-"cache_hidden" attention but without materialising ``[T, T]`` scores.
+On CPU (``"dense"``) both key sets go into one fused SDPA call per chunk of queries
+(:func:`ttt_attention_chunked`). With flex, the causal part is range attention and the
+per-index part a tiny ``[k]`` attention, merged exactly by log-sum-exp, as in
+EAGLE-3/SpecForge's "cache_hidden" attention but without materialising ``[T, T]`` scores.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from draftflow.models.common import AttentionImpl, dense_attention_lse, merge_attention, range_attention
@@ -43,6 +45,49 @@ def ttt_attention(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_
     """One TTT step. q [Bt, T, nh, hd]; k0/v0 [Bt, T, nkv, hd] step-0 keys; prev_k/prev_v keys
     of steps 1..k (empty at step 0, the current step's own key included otherwise);
     lo/hi [Bt, T] the causal document range (doc_start, i + 1). Returns [Bt, T, nh, hd]."""
+    if impl == "dense":
+        return ttt_attention_chunked(q, k0, v0, prev_k, prev_v, lo, hi, scale)
+    return ttt_attention_merged(q, k0, v0, prev_k, prev_v, lo, hi, scale, impl)
+
+
+def ttt_attention_chunked(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_v: list[Tensor],
+                          lo: Tensor, hi: Tensor, scale: float, max_chunk_queries: int = 128) -> Tensor:
+    """The CPU path: fused SDPA per chunk of queries over [causal window ; the chunk's own
+    previous-step keys]. A chunk of n queries scores its window of step-0 keys (from the
+    smallest document start to its last index) plus n·k diagonal keys, mask [n, W + n·k]:
+    no [T, T] tensor, and SDPA's fused kernel (with its own backward) instead of scoring in
+    Python. One softmax over both key sets: no log-sum-exp merge. Every query sees itself."""
+    bt, t, nh, hd = q.shape
+    nkv, steps = k0.shape[2], len(prev_k)
+    kd = torch.stack(prev_k, 2) if steps else None  # [Bt, T, k, nkv, hd]
+    vd = torch.stack(prev_v, 2) if steps else None
+    outs = []
+    for s in range(0, t, max_chunk_queries):
+        e = min(t, s + max_chunk_queries)
+        n = e - s
+        w0 = int(lo[:, s:e].min().clamp(0, t))
+        w1 = max(w0, int(hi[:, s:e].max().clamp(0, t)))
+        idx = torch.arange(w1 - w0, device=q.device)
+        mask = (idx >= (lo[:, s:e] - w0)[..., None]) & (idx < (hi[:, s:e] - w0)[..., None])  # [Bt, n, W]
+        keys, values = k0[:, w0:w1], v0[:, w0:w1]
+        if steps:
+            owner = torch.arange(n * steps, device=q.device) // steps
+            diag = (owner[None, :] == torch.arange(n, device=q.device)[:, None]).expand(bt, -1, -1)
+            mask = torch.cat([mask, diag], -1)
+            keys = torch.cat([keys, kd[:, s:e].reshape(bt, n * steps, nkv, hd)], 1)
+            values = torch.cat([values, vd[:, s:e].reshape(bt, n * steps, nkv, hd)], 1)
+        out = F.scaled_dot_product_attention(
+            q[:, s:e].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
+            scale=scale, enable_gqa=nh != nkv,
+        )
+        outs.append(out.transpose(1, 2))
+    return torch.cat(outs, 1)
+
+
+def ttt_attention_merged(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_v: list[Tensor],
+                         lo: Tensor, hi: Tensor, scale: float, impl: AttentionImpl = "dense") -> Tensor:
+    """Range attention over step-0 keys and the per-index previous-step keys, merged by
+    log-sum-exp (the flex path, and the reference the chunked SDPA path is tested against)."""
     out, lse = range_attention(q, k0, v0, lo, hi, scale, impl)
     if not prev_k:
         return out

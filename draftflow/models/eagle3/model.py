@@ -31,7 +31,8 @@ from draftflow.models.common import PackedBatch, RMSNorm, RotaryEmbedding, SwiGL
 from draftflow.models.eagle3.attention import ttt_attention
 from draftflow.models.eagle3.config import Eagle3Config
 from draftflow.models.losses import (
-    LossKind, LossOutput, draft_metrics, soft_cross_entropy, token_cross_entropy, ttt_weight, weighted_mean,
+    LossKind, LossOutput, draft_metrics, soft_cross_entropy_gathered, target_probs, token_cross_entropy,
+    ttt_weight, weighted_mean,
 )
 from draftflow.models.vocab import DraftVocab
 
@@ -189,23 +190,35 @@ def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: 
     outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, doc_start, steps)
     mask = batch.loss_mask.bool()
     total = torch.zeros((), device=pos.device)
+    steps_ok = [step_targets(batch.input_ids, mask, doc_end, k) for k in range(steps)]
+    if loss == "target_logits":
+        if target_head is None or batch.last_hidden is None:
+            raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
+        # The target's distribution once per position for all steps: step k at index i reads
+        # position i+1+k (past the end only for unlabelled indices, which read the last row).
+        t = pos.shape[1]
+        idx = torch.arange(t, device=pos.device).expand_as(pos)
+        needed = torch.zeros_like(mask)
+        for k, (_, ok) in enumerate(steps_ok):
+            needed[:, 1 + k:] |= ok[:, :max(0, t - 1 - k)]
+        probs, rows = target_probs(target_head, batch.last_hidden, idx, needed)
     preds, labels, labelled = [], [], []
-    for k, out in enumerate(outs):
-        logits = model.compute_logits(out)  # [Bt, T, Vd]
-        lab, ok = step_targets(batch.input_ids, mask, doc_end, k)
+    for k, (out, (lab, ok)) in enumerate(zip(outs, steps_ok)):
+        logits = model.compute_logits(out[ok])  # [M, Vd]: labelled indices only (the rest weigh 0)
         lab = model.vocab.to_draft(lab)
         if loss == "tokens":
-            lab_ce = lab.masked_fill(~ok, -1)
+            lab_ce = lab[ok]
             per_item, weights = token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float()
         elif loss == "target_logits":
-            if target_head is None or batch.last_hidden is None:
-                raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
-            per_item = soft_cross_entropy(logits, target_head(shift_left(batch.last_hidden, 1 + k)))
-            weights = ok.float()
+            at = torch.cat([rows[:, 1 + k:], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
+            per_item = soft_cross_entropy_gathered(logits, probs, at[:, :rows.shape[1]][ok])
+            weights = torch.ones_like(per_item)
         else:
             raise ValueError(f"unknown loss {loss!r}")
         total = total + ttt_weight(decay, k) * weighted_mean(per_item, weights)
-        preds.append(logits.argmax(-1))
+        pred = torch.full_like(lab, -1)
+        pred[ok] = logits.argmax(-1)  # unlabelled indices never count as hits
+        preds.append(pred)
         labels.append(lab)
         labelled.append(ok)
     # A draft starts at every index whose bonus token (i+1) is a response token and whose
