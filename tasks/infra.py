@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from blocks.infrastructure import HiddenStateStore, VLLMServer
 from draftflow.plan import Plan
+from draftflow.recipe.schema import VLLMLaunchSection
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Infra:
     storage_options: dict = field(default_factory=dict, repr=False)
     endpoints: list[str] | None = None
     api_key: str | None = field(default=None, repr=False)
-    launch: object | None = None
+    launch: VLLMLaunchSection | None = None
     launch_from_block: bool = False
 
 

@@ -88,6 +88,7 @@ class VLLMServers:
             return self.current[1]
         self.stop()  # the launcher's host lock makes other test sessions wait, not hang
         port = free_port()
+        settings = {"max_model_len": 1024, **settings}  # the tests' prompts are short
         spec = LaunchSpec(
             python=self.python, model=str(model), port=port, device="cpu", dtype="float32",
             log_path=str(self.log_dir / f"vllm-{port}.log"), **settings,

@@ -27,6 +27,7 @@ from draftflow.evaluation.contract import ContractError, check_contract
 from draftflow.evaluation.in_vllm import LaunchServerFactory, ServerFactory, VLLMResult, evaluate_in_vllm
 from draftflow.evaluation.offline import OfflineResult, evaluate_offline
 from draftflow.evaluation.report import Evaluation
+from draftflow.models import algorithm_class, speculators
 from draftflow.paths import RunLayout
 from draftflow.plan import Plan
 
@@ -117,17 +118,12 @@ def evaluate_prompts(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
 
 def known_vllm_issue(checkpoint_dir: str | Path, device: str) -> str | None:
     """A defect of the vLLM build that makes its acceptance differ from the simulator's."""
-    from draftflow.models.speculators import read_config
-
     try:
-        config = read_config(checkpoint_dir)
-    except (OSError, ValueError):  # the contract check reports an unreadable folder
+        config = speculators.read_config(checkpoint_dir)
+        kind = algorithm_class(speculators.model_type(config))
+    except (OSError, ValueError):  # the contract check reports an unreadable folder or an unknown kind
         return None
-    layers = int((config.get("transformer_layer_config") or {}).get("num_hidden_layers", 1))
-    if device == "cpu" and config.get("speculators_model_type") == "dflash" and layers > 1:
-        return (f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash (its rms_norm "
-                "kernel applies layer 0's k_norm weights to every layer); output stays lossless, acceptance drops")
-    return None
+    return kind.known_serving_issue(config, device)
 
 
 def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict | None = None,
@@ -168,7 +164,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str |
             raise EvaluationError("evaluation in vLLM starts its own server (target + this drafter): the recipe "
                                   "needs vllm.launch settings, or pass --no-vllm")
         log_dir = None if "://" in out else out
-        server_factory = LaunchServerFactory.from_recipe(launch, log_dir=log_dir)
+        server_factory = LaunchServerFactory(launch, log_dir=log_dir)
     from draftflow.data.chat import load_chat_encoder
 
     encoder = load_chat_encoder(plan.recipe.target)

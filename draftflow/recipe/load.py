@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from draftflow.recipe.schema import Recipe
+from draftflow.recipe.schema import DRAFTER_SECTIONS, Recipe
 
 
 class RecipeError(ValueError):
@@ -84,7 +84,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
 
 def _is_union_tag(part: object) -> bool:
     # pydantic puts the discriminator value ("dflash") in the location of union members.
-    return part in ("dflash", "eagle3")
+    return part in DRAFTER_SECTIONS
 
 
 def read_yaml(path: str | Path) -> dict:
