@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import fsspec
+
+from draftflow.data.chat import load_chat_encoder
+from draftflow.data.dataset import eval_prompts
 from draftflow.evaluation.contract import ContractError, check_contract
 from draftflow.evaluation.in_vllm import LaunchServerFactory, ServerFactory, VLLMResult, evaluate_in_vllm
 from draftflow.evaluation.offline import OfflineResult, evaluate_offline
@@ -63,8 +67,6 @@ def write_evaluation(evaluation: Evaluation, out_dir: str) -> dict[str, str]:
     if "://" not in out_dir or out_dir.startswith("file://"):
         local = Path(out_dir.removeprefix("file://"))
         return {k: str(v) for k, v in evaluation.write(local).items()}
-    import fsspec
-
     fs, root = fsspec.core.url_to_fs(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         paths = evaluation.write(Path(tmp))
@@ -86,7 +88,8 @@ def evaluate_prompts(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
     checkpoint = str(checkpoint_dir)
     problems = check_contract(checkpoint, target_info, verifier=target, fingerprint=fingerprint)
     evaluation = Evaluation(None, None, min_acceptance_length, agreement_tolerance, checkpoint,
-                            contract_problems=problems, meta=dict(meta or {}, max_new_tokens=max_new_tokens))
+                            contract_problems=problems, meta=dict(meta or {}, max_new_tokens=max_new_tokens),
+                            checkpoint_digest=speculators.checkpoint_digest(checkpoint))
     run = EvalRun(evaluation)
     if problems and strict_contract:
         if out_dir is not None:
@@ -134,8 +137,6 @@ def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict 
     A prompt whose length plus ``evaluation.max_new_tokens`` exceeds ``max_total_tokens`` (the
     server's max_model_len) is dropped and counted.
     """
-    from draftflow.data.dataset import eval_prompts
-
     names, ids, dropped = [], [], 0
     for prompt in eval_prompts(plan.data, limit=limit, storage_options=storage_options):
         tokens = encoder.prompt_ids(prompt.messages)
@@ -165,8 +166,6 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str |
                                   "needs vllm.launch settings, or pass --no-vllm")
         log_dir = None if "://" in out else out
         server_factory = LaunchServerFactory(launch, log_dir=log_dir)
-    from draftflow.data.chat import load_chat_encoder
-
     encoder = load_chat_encoder(plan.recipe.target)
     max_total = launch.max_model_len if in_vllm and launch is not None else None
     names, prompts, dropped = load_eval_prompts(plan, encoder, limit=ev.num_prompts, storage_options=storage_options,
