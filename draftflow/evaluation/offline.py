@@ -41,6 +41,7 @@ from torch import Tensor
 from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
 from draftflow.models import checkpoint_info, load_drafter
 from draftflow.models.algorithm import DraftState, DrafterAlgorithm
+from draftflow.models.target_weights import resolve_model_dir
 
 
 
@@ -63,9 +64,7 @@ class Proposer(Protocol):
 
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The target as transformers loads it (fp32 on CPU by default), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    from draftflow.models.target_weights import resolve_model_dir
+    from transformers import AutoModelForCausalLM  # heavy: only when a target is loaded
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(model_dir)), dtype=dtype).eval()
 

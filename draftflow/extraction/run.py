@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import is_prepared
 from draftflow.data.prepare import aprepare
-from draftflow.data.regenerate import run_coroutine
+from draftflow.async_run import run_coroutine
 from draftflow.extraction.progress import ExtractionProgress, ExtractionSummary, ProgressTracker
 from draftflow.extraction.samples import train_set
 from draftflow.extraction.shards import ShardResult, extract_shard, make_client

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from draftflow.recipe.schema import DRAFTER_SECTIONS, register_drafter_section
+
 ALGORITHMS: dict[str, str] = {
     "dflash": "draftflow.models.dflash.algorithm:DFlash",
     "eagle3": "draftflow.models.eagle3.algorithm:Eagle3",
@@ -23,16 +25,12 @@ def register(cls: type, section: type | None = None) -> None:
     """Add a drafter kind at run time (a plugin, or a test's toy kind); ``section``: its recipe section."""
     _REGISTERED[cls.kind] = cls
     if section is not None:
-        from draftflow.recipe.schema import register_drafter_section
-
         register_drafter_section(section)
 
 
 def unregister(kind: str) -> None:
     """Undo :func:`register` (a test's toy kind must not leak into later tests)."""
     _REGISTERED.pop(kind, None)
-    from draftflow.recipe.schema import DRAFTER_SECTIONS, register_drafter_section
-
     if kind in DRAFTER_SECTIONS and kind not in ALGORITHMS:
         register_drafter_section(DRAFTER_SECTIONS.pop(kind), remove=True)
 
@@ -60,7 +58,7 @@ def load_drafter(folder: str | Path, *, target: str | Path | None = None, **kwar
 
 def checkpoint_info(folder: str | Path) -> dict:
     """kind, aux layer ids (ascending, as vLLM uses them), speculative tokens and verifier of a folder."""
-    from draftflow.models import speculators
+    from draftflow.models import speculators  # torch: not at package import
 
     config = speculators.read_config(folder)
     kind = speculators.model_type(config)

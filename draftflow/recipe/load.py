@@ -7,6 +7,7 @@ so a user who forked a recipe sees at once what to fix.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Return a copy of ``data`` with each dotted override set (validated later, like the file)."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)

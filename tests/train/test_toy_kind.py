@@ -24,7 +24,7 @@ from draftflow.models.vocab import DraftVocab
 from draftflow.paths import EXPORT_CONFIG
 from draftflow.plan import Plan
 from draftflow.recipe.schema import Section
-from draftflow.train.__main__ import RESULT_PREFIX
+from draftflow.train import RESULT_PREFIX
 from draftflow.train.__main__ import main as train_main
 
 pytestmark = pytest.mark.slow
