@@ -61,6 +61,35 @@ def layer_config(*, model_type: str, vocab_size: int, hidden_size: int, intermed
     }
 
 
+def shared_layer_config(cfg, *, model_type: str, num_layers: int, **extra) -> dict:
+    """:func:`layer_config` from a drafter config dataclass with the fields both kinds share."""
+    return layer_config(
+        model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings, **extra,
+    )
+
+
+def shared_config_fields(config: dict) -> dict:
+    """The drafter config fields both kinds read back from ``config.json`` (the inverse of
+    :func:`shared_layer_config` plus ``draft_vocab_size``)."""
+    layer = config["transformer_layer_config"]
+    vocab = int(layer["vocab_size"])
+    return {
+        "hidden_size": int(layer["hidden_size"]),
+        "intermediate_size": int(layer["intermediate_size"]),
+        "num_heads": int(layer["num_attention_heads"]),
+        "num_kv_heads": int(layer["num_key_value_heads"]),
+        "head_dim": int(layer.get("head_dim") or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
+        "vocab_size": vocab,
+        "draft_vocab_size": int(config.get("draft_vocab_size") or vocab),
+        "rms_norm_eps": float(layer["rms_norm_eps"]),
+        "rope_theta": float(layer["rope_parameters"]["rope_theta"]),
+        "max_position_embeddings": int(layer["max_position_embeddings"]),
+    }
+
+
 def envelope(*, model_type: str, architecture: str, speculative_tokens: int, verifier_name_or_path: str,
              verifier_architectures: list[str], transformer_layer_config: dict, dtype: torch.dtype,
              fields: dict) -> dict:

@@ -25,12 +25,8 @@ AUX_LAYER_IDS_KEY = "aux_hidden_state_layer_ids"
 def config_fields(cfg: DFlashConfig, aux_layer_ids: list[int]) -> tuple[dict, dict]:
     """(top-level config.json fields, transformer_layer_config) of a DFlash drafter."""
     ids = speculators.check_aux_layer_ids(aux_layer_ids, cfg.num_context_layers)
-    layer_cfg = speculators.layer_config(
-        model_type="qwen3", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings, use_sliding_window=False,
-    )
+    layer_cfg = speculators.shared_layer_config(cfg, model_type="qwen3", num_layers=cfg.num_layers,
+                                                use_sliding_window=False)
     fields = {
         "block_size": cfg.block_size,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -42,21 +38,10 @@ def config_fields(cfg: DFlashConfig, aux_layer_ids: list[int]) -> tuple[dict, di
 
 
 def config_from_file(config: dict) -> DFlashConfig:
-    layer = config["transformer_layer_config"]
-    vocab = int(layer["vocab_size"])
     return DFlashConfig(
-        hidden_size=int(layer["hidden_size"]),
-        intermediate_size=int(layer["intermediate_size"]),
-        num_layers=int(layer["num_hidden_layers"]),
-        num_heads=int(layer["num_attention_heads"]),
-        num_kv_heads=int(layer["num_key_value_heads"]),
-        head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
-        vocab_size=vocab,
-        draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
+        **speculators.shared_config_fields(config),
+        num_layers=int(config["transformer_layer_config"]["num_hidden_layers"]),
         num_context_layers=len(config[AUX_LAYER_IDS_KEY]),
         block_size=speculators.speculative_tokens(config) + 1,
         mask_token_id=int(config["mask_token_id"]),
-        rms_norm_eps=float(layer["rms_norm_eps"]),
-        rope_theta=float(layer["rope_parameters"]["rope_theta"]),
-        max_position_embeddings=int(layer["max_position_embeddings"]),
     )

@@ -28,13 +28,8 @@ AUX_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 def config_fields(cfg: Eagle3Config, aux_layer_ids: list[int]) -> tuple[dict, dict]:
     """(top-level config.json fields, transformer_layer_config) of an Eagle3 drafter."""
     ids = speculators.check_aux_layer_ids(aux_layer_ids, cfg.num_aux_layers)
-    layer_cfg = speculators.layer_config(
-        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_layers=1, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-        num_aux_hidden_states=cfg.num_aux_layers,
-    )
+    layer_cfg = speculators.shared_layer_config(cfg, model_type="llama", num_layers=1,
+                                                num_aux_hidden_states=cfg.num_aux_layers)
     fields = {
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
@@ -45,19 +40,8 @@ def config_fields(cfg: Eagle3Config, aux_layer_ids: list[int]) -> tuple[dict, di
 
 
 def config_from_file(config: dict) -> Eagle3Config:
-    layer = config["transformer_layer_config"]
-    vocab = int(layer["vocab_size"])
     return Eagle3Config(
-        hidden_size=int(layer["hidden_size"]),
-        intermediate_size=int(layer["intermediate_size"]),
-        num_heads=int(layer["num_attention_heads"]),
-        num_kv_heads=int(layer["num_key_value_heads"]),
-        head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
-        vocab_size=vocab,
-        draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
+        **speculators.shared_config_fields(config),
         num_aux_layers=len(config[AUX_LAYER_IDS_KEY]),
-        rms_norm_eps=float(layer["rms_norm_eps"]),
-        rope_theta=float(layer["rope_parameters"]["rope_theta"]),
-        max_position_embeddings=int(layer["max_position_embeddings"]),
         norm_before_residual=bool(config.get("norm_before_residual", True)),
     )
