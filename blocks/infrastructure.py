@@ -81,7 +81,9 @@ class CheckpointDestination(Block):
     secret_access_key: SecretStr | None = Field(None, description="Object-store secret of `url` (S3: secret).")
     hf_repo_id: str | None = Field(None, description="Hub repo id (owner/name) instead of a URL.")
     hf_token: SecretStr | None = Field(None, description="Hub token with write access.")
-    hf_private: bool = Field(True, description="Create the Hub repo private (an existing repo keeps its visibility).")
+    hf_private: bool = Field(
+        True, description="Create the Hub repo private (an existing repo keeps its visibility)."
+    )
 
     def settings(self) -> dict[str, Any]:
         if bool(self.url) == bool(self.hf_repo_id):

@@ -35,7 +35,8 @@ def verifier_of(recipe: Recipe) -> Verifier:
     return Verifier(model, True, recipe.target.revision)
 
 
-def serve_command(location: str, verifier: Verifier, kind: str, speculative_tokens: int, folder_name: str) -> str:
+def serve_command(location: str, verifier: Verifier, kind: str, speculative_tokens: int,
+                  folder_name: str) -> str:
     """What to type to serve the published copy at ``location`` (its verifier resolved by vLLM)."""
     if location.startswith("hf://"):
         lines, where = [], location.removeprefix("hf://")
@@ -62,7 +63,8 @@ def _acceptance_table(reports: list[AcceptanceReport]) -> list[str]:
              + " | ".join(f"position {i + 1}" for i in range(k)) + " |",
              "|" + "---|" * (5 + k)]
     for r in reports:
-        lines.append(f"| {'vLLM' if r.source == 'vllm' else 'offline simulator'} | {r.num_prompts} | {r.drafts} | "
+        where = "vLLM" if r.source == "vllm" else "offline simulator"
+        lines.append(f"| {where} | {r.num_prompts} | {r.drafts} | "
                      f"{r.mean_acceptance_length:.3f} | {r.acceptance_rate:.3f} | "
                      + " | ".join(f"{p:.3f}" for p in r.per_position) + " |")
     return lines
@@ -73,34 +75,38 @@ def _verdict(evaluation: Evaluation) -> list[str]:
     vllm = evaluation.vllm
     if vllm and vllm.throughput:
         t = vllm.throughput
-        lines.append(f"- decode speed in vLLM (batch 1): {t['with_drafter_tok_s']:.1f} tok/s with the drafter, "
+        lines.append(f"- decode speed in vLLM (batch 1): {t['with_drafter_tok_s']:.1f} tok/s with the "
+                     "drafter, "
                      f"{t['without_drafter_tok_s']:.1f} without (speedup {t['speedup']:.2f}x)")
     for r in (evaluation.offline, vllm):
         if r and r.outputs_identical is not None:
-            lines.append(f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the verifier's "
-                         "own greedy output")
+            lines.append(f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the "
+                         "verifier's own greedy output")
     if evaluation.relative_gap is not None:
         lines.append(f"- offline vs vLLM τ gap {evaluation.relative_gap:.1%} "
                      f"(tolerance {evaluation.agreement_tolerance:.1%})")
-    lines.append(f"- gate passed: τ {evaluation.tau:.3f} (at least {evaluation.min_acceptance_length:.3f} required)")
+    lines.append(f"- gate passed: τ {evaluation.tau:.3f} "
+                 f"(at least {evaluation.min_acceptance_length:.3f} required)")
     return lines
 
 
 def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
     data, training, drafter = recipe.data, recipe.training, recipe.drafter
+    size = provenance.get("draft_vocab_size")
+    vocab = f"draft vocabulary of {size} tokens" if size else "the verifier's full vocabulary"
     sources = ", ".join(
         s.kind + (f" `{PurePosixPath(s.path.rstrip('/')).name}`" if s.path else "")
         + (f" (≤ {s.max_samples} conversations)" if s.max_samples else "")
         for s in data.sources
     )
     return [
-        f"- data: {sources}; samples up to {data.max_length} tokens, {data.eval_samples} held out for evaluation",
-        f"- budget: {training.epochs} epoch(s), packs of {training.pack_length} tokens × {training.batch_size} per "
-        f"process per step, lr {training.lr:g} ({training.schedule}), loss `{training.loss}`",
-        f"- drafter: `{drafter.kind}`, {provenance.get('speculative_tokens')} speculative tokens, reads verifier "
-        f"layers {provenance.get('aux_layer_ids')}, "
-        + (f"draft vocabulary of {provenance['draft_vocab_size']} tokens" if provenance.get("draft_vocab_size")
-           else "the verifier's full vocabulary"),
+        f"- data: {sources}; samples up to {data.max_length} tokens, {data.eval_samples} held out "
+        "for evaluation",
+        f"- budget: {training.epochs} epoch(s), packs of {training.pack_length} tokens × "
+        f"{training.batch_size} per process per step, lr {training.lr:g} ({training.schedule}), "
+        f"loss `{training.loss}`",
+        f"- drafter: `{drafter.kind}`, {provenance.get('speculative_tokens')} speculative tokens, "
+        f"reads verifier layers {provenance.get('aux_layer_ids')}, {vocab}",
         f"- data fingerprint `{provenance.get('fingerprint')}`; recipe fingerprint "
         f"`{hashlib.sha256(recipe_text.encode()).hexdigest()[:16]}` (sha256 of `recipe.yaml` in this folder)",
     ]
@@ -129,8 +135,8 @@ def render(*, recipe: Recipe, recipe_text: str, provenance: dict, evaluation: Ev
         "",
         "## Acceptance",
         "",
-        f"Greedy decoding of {reports[0].num_prompts if reports else 0} held-out prompts; τ counts the tokens "
-        "produced per verifier forward pass (1 = no speed-up).",
+        f"Greedy decoding of {reports[0].num_prompts if reports else 0} held-out prompts; τ counts the "
+        "tokens produced per verifier forward pass (1 = no speed-up).",
         "",
         *_acceptance_table(reports),
         "",

@@ -101,11 +101,12 @@ def check_publishable(checkpoint: Path, evaluation: Evaluation, target_info=None
     """Raise :class:`PublishRefused` unless ``evaluation`` measured exactly this folder and passed."""
     digest = checkpoint_digest(checkpoint)
     if evaluation.checkpoint_digest is None:
-        raise PublishRefused(f"the report records no checkpoint digest, so it cannot be tied to {checkpoint}: "
-                             "evaluate the checkpoint again; nothing was pushed")
+        raise PublishRefused(f"the report records no checkpoint digest, so it cannot be tied to "
+                             f"{checkpoint}: evaluate the checkpoint again; nothing was pushed")
     if evaluation.checkpoint_digest != digest:
-        raise PublishRefused(f"the report measured other bytes (checkpoint sha256 {evaluation.checkpoint_digest[:12]}…) "
-                             f"than {checkpoint} holds ({digest[:12]}…): evaluate this checkpoint; nothing was pushed")
+        raise PublishRefused(f"the report measured other bytes (checkpoint sha256 "
+                             f"{evaluation.checkpoint_digest[:12]}…) than {checkpoint} holds "
+                             f"({digest[:12]}…): evaluate this checkpoint; nothing was pushed")
     if not evaluation.passed_gate:
         raise PublishRefused(f"gate failed: τ {evaluation.tau:.3f} < evaluation.min_acceptance_length "
                              f"{evaluation.min_acceptance_length}; nothing was pushed")
@@ -155,8 +156,9 @@ def _recipe(folder: Path, fallback: Recipe | None) -> tuple[Recipe, str]:
         text = path.read_text()
         return recipe_from_dict(yaml.safe_load(text), str(path)), text
     if fallback is None:
-        raise PublishRefused(f"{folder} has no {EXPORT_RECIPE} (the trainer's export writes one) and no recipe was "
-                             "given: the model card cannot say how it was trained; nothing was pushed")
+        raise PublishRefused(f"{folder} has no {EXPORT_RECIPE} (the trainer's export writes one) and no "
+                             "recipe was given: the model card cannot say how it was trained; nothing was "
+                             "pushed")
     return fallback, yaml.safe_dump(json.loads(fallback.model_dump_json()), sort_keys=False)
 
 

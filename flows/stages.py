@@ -12,7 +12,12 @@ from prefect.runtime import flow_run
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.evaluate import publish as publish_task
 from tasks.extract import (
-    check_or_start_vllm, extract_every_shard, fail_on_failed_shards, prepare_data, shard_table, stopped_unless_kept,
+    check_or_start_vllm,
+    extract_every_shard,
+    fail_on_failed_shards,
+    prepare_data,
+    shard_table,
+    stopped_unless_kept,
 )
 from tasks.recipe import resolve_plan
 from tasks.train import train_drafter

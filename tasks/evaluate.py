@@ -39,12 +39,14 @@ def evaluate(recipe: str, overrides: list[str], checkpoint_dir: str, run_dir: st
 @task(name="publish-checkpoint")
 def publish(recipe: str, overrides: list[str], checkpoint_dir: str, report: str,
             destination_block: str | None = None) -> dict:
-    """:func:`draftflow.publish.publish` to the block's destination (else the recipe's); refusals fail the flow."""
+    """:func:`draftflow.publish.publish` to the block's destination (else the recipe's); a refusal
+    fails the flow."""
     plan = infra_mod.plan_for(recipe, infra_mod.Infra(overrides=list(overrides)))
     url = plan.recipe.publish.destination
     destination = (CheckpointDestination.load(destination_block).destination() if destination_block
                    else Destination.parse(url) if url else None)
-    published = publish_checkpoint(checkpoint_dir, report, destination, target_info=plan.target, recipe=plan.recipe)
+    published = publish_checkpoint(checkpoint_dir, report, destination, target_info=plan.target,
+                                   recipe=plan.recipe)
     if published.location:
         create_link_artifact(key=artifact_key(plan, "published"), link=published.location,
                              description=f"published checkpoint {published.version}")

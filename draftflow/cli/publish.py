@@ -12,8 +12,8 @@ from draftflow.cli import add_storage_options, storage_options
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "publish", help="check an evaluated checkpoint, write its model card and push it (once per version)",
-        description="Refuses (exit 1, nothing pushed) unless the report measured exactly this checkpoint and it "
-        "passed: gate, offline/vLLM agreement, contract. Without --to only the card is written.",
+        description="Refuses (exit 1, nothing pushed) unless the report measured exactly this checkpoint "
+        "and it passed: gate, offline/vLLM agreement, contract. Without --to only the card is written.",
     )
     p.add_argument("checkpoint", help="the exported speculators folder that was evaluated")
     p.add_argument("--report", required=True, help="its evaluation's report.json (acceptance.png beside it)")

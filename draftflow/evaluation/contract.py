@@ -88,10 +88,12 @@ def _provenance_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: 
     out = []
     layer = config.get("transformer_layer_config") or {}
     if prov.get("drafter") != kind.kind:
-        out.append(f"config.json speculators_model_type {kind.kind!r} != trained drafter {prov.get('drafter')!r}")
+        out.append(f"config.json speculators_model_type {kind.kind!r} != trained drafter "
+                   f"{prov.get('drafter')!r}")
     trained = [int(i) for i in prov.get("aux_layer_ids") or []]
     if aux != trained:
-        out.append(f"config.json {kind.aux_layer_ids_key} {aux} != trained {trained}{_shift_hint(aux, trained)}")
+        out.append(f"config.json {kind.aux_layer_ids_key} {aux} != trained "
+                   f"{trained}{_shift_hint(aux, trained)}")
     extracted = [int(i) for i in prov.get("extracted_layer_ids") or []]
     if not set(trained) <= set(extracted):
         out.append(f"trained aux layers {trained} are not all among the extracted layers {extracted}")

@@ -104,11 +104,11 @@ def parse_spec_counters(text: str) -> SpecCounters:
 # ---------------------------------------------------------------------------------------
 
 class LaunchServerFactory:
-    """Starts one vLLM server per use with a recipe's ``vllm.launch`` settings and stops it afterwards;
-    fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32)."""
+    """Starts one vLLM server per use with a recipe's ``vllm.launch`` settings and stops it
+    afterwards; fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32)."""
 
-    def __init__(self, launch: VLLMLaunchSection, *, dtype: str | None = None, log_dir: str | Path | None = None,
-                 host: str = "127.0.0.1"):
+    def __init__(self, launch: VLLMLaunchSection, *, dtype: str | None = None,
+                 log_dir: str | Path | None = None, host: str = "127.0.0.1"):
         self.launch, self.log_dir, self.host = launch, log_dir, host
         self.dtype = dtype or ("float32" if launch.device == "cpu" else "auto")
 
@@ -116,8 +116,8 @@ class LaunchServerFactory:
     def __call__(self, model: str, speculative_config: dict | None = None) -> Iterator[str]:
         port = free_port()
         log = str(Path(self.log_dir) / f"vllm-eval-{port}.log") if self.log_dir else None
-        spec = LaunchSpec.from_section(self.launch, model=str(model), port=port, host=self.host, dtype=self.dtype,
-                                       speculative_config=speculative_config, log_path=log)
+        spec = LaunchSpec.from_section(self.launch, model=str(model), port=port, host=self.host,
+                                       dtype=self.dtype, speculative_config=speculative_config, log_path=log)
         server = ServerProcess(spec).start()
         try:
             server.wait_healthy(self.launch.startup_timeout_s)

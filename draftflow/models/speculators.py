@@ -81,7 +81,8 @@ def shared_config_fields(config: dict) -> dict:
         "intermediate_size": int(layer["intermediate_size"]),
         "num_heads": int(layer["num_attention_heads"]),
         "num_kv_heads": int(layer["num_key_value_heads"]),
-        "head_dim": int(layer.get("head_dim") or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
+        "head_dim": int(layer.get("head_dim")
+                        or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
         "vocab_size": vocab,
         "draft_vocab_size": int(config.get("draft_vocab_size") or vocab),
         "rms_norm_eps": float(layer["rms_norm_eps"]),

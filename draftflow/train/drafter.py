@@ -93,7 +93,8 @@ def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: lis
     out = Path(out_dir)
     drafter = setup.algorithm
     drafter.export(out, verifier_name_or_path=plan.target_model,
-                   verifier_architectures=list(plan.target.architectures), aux_layer_ids=list(plan.context_layer_ids))
+                   verifier_architectures=list(plan.target.architectures),
+                   aux_layer_ids=list(plan.context_layer_ids))
     (out / EXPORT_RECIPE).write_text(yaml.safe_dump(json.loads(plan.recipe.model_dump_json()), sort_keys=False))
     (out / EXPORT_COMMAND).write_text(shlex.join(command or [sys.executable, "-m", "draftflow.train",
                                                              plan.recipe_path, *sum((["--set", o] for o in plan.overrides), [])]) + "\n")

@@ -66,8 +66,8 @@ class LaunchSpec:
         """A server for ``model`` with the recipe's launch settings (python, device,
         max_model_len, extra_args, env); ``fields``: the rest (host, dtype, staging, log, ...)."""
         return cls(python=expand(launch.python), model=model, port=port, device=launch.device,
-                   max_model_len=launch.max_model_len, extra_args=list(launch.extra_args), env=dict(launch.env),
-                   **fields)
+                   max_model_len=launch.max_model_len, extra_args=list(launch.extra_args),
+                   env=dict(launch.env), **fields)
 
 
 def extraction_flags(layer_ids: list[int], staging_dir: str, device: str) -> list[str]:

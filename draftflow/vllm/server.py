@@ -107,7 +107,8 @@ def ensure_running(
 ) -> ServerHandle:
     """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
 
-    `launch` is the recipe's (or a VLLMServer block's) ``vllm.launch`` section. `model` is the recipe's target, as the server would be started with it.
+    `launch` is the recipe's (or a VLLMServer block's) ``vllm.launch`` section. `model` is the
+    recipe's target, as the server would be started with it.
     With `strict_layer_ids`, a running server not started here is refused, because its layer
     ids (beyond their count) cannot be verified.
     """
@@ -248,8 +249,9 @@ def start_server(
     log_root = Path(log_dir) if log_dir else default_home() / "logs"
     log_path = log_root / f"vllm-{parts.port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     spec = LaunchSpec.from_section(
-        launch, model=model, host=parts.hostname, port=parts.port, dtype=dtype, extract_layer_ids=list(layer_ids),
-        staging_dir=expand(launch.staging_dir), log_path=str(log_path), api_key=api_key,
+        launch, model=model, host=parts.hostname, port=parts.port, dtype=dtype,
+        extract_layer_ids=list(layer_ids), staging_dir=expand(launch.staging_dir), log_path=str(log_path),
+        api_key=api_key,
     )
     if not Path(spec.python).exists():
         raise ServerCheckError(f"vllm.launch.python {spec.python} does not exist")

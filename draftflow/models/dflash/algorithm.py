@@ -36,7 +36,8 @@ class DFlash(DrafterAlgorithm):
                  settings: TrainSettings | None = None):
         block = model.config.block_size
         if speculative_tokens is not None and speculative_tokens != block - 1:
-            raise ValueError(f"a DFlash block drafts block_size - 1 = {block - 1} tokens, not {speculative_tokens}")
+            raise ValueError(f"a DFlash block drafts block_size - 1 = {block - 1} tokens, "
+                             f"not {speculative_tokens}")
         super().__init__(model, speculative_tokens=block - 1, settings=settings)
 
     @classmethod
@@ -81,8 +82,8 @@ class DFlash(DrafterAlgorithm):
         block = config.get("block_size")
         spec = speculators.speculative_tokens(config)
         if block is not None and spec is not None and int(block) - 1 != spec:
-            out.append(f"config.json block_size {block} drafts {int(block) - 1} tokens but speculative_tokens "
-                       f"is {spec}")
+            out.append(f"config.json block_size {block} drafts {int(block) - 1} tokens but "
+                       f"speculative_tokens is {spec}")
         return out
 
     @classmethod
@@ -90,14 +91,14 @@ class DFlash(DrafterAlgorithm):
         if config.get("mask_token_id") == provenance.get("mask_token_id"):
             return []
         return [f"config.json mask_token_id {config.get('mask_token_id')} != trained "
-                f"{provenance.get('mask_token_id')} (the block's mask slots would be fed another token than in "
-                "training)"]
+                f"{provenance.get('mask_token_id')} (the block's mask slots would be fed another token "
+                "than in training)"]
 
     @classmethod
     def known_serving_issue(cls, config: dict, device: str) -> str | None:
         layers = int((config.get("transformer_layer_config") or {}).get("num_hidden_layers", 1))
         if device == "cpu" and layers > 1:
-            return (f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash (its rms_norm "
-                    "kernel applies layer 0's k_norm weights to every layer); output stays lossless, acceptance "
-                    "drops")
+            return (f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash "
+                    "(its rms_norm kernel applies layer 0's k_norm weights to every layer); output stays "
+                    "lossless, acceptance drops")
         return None

@@ -33,14 +33,15 @@ class Eagle3(DrafterAlgorithm):
 
     def loss(self, batch: PackedBatch, generator: torch.Generator | None = None) -> LossOutput:
         s = self._settings()
-        return eagle3_loss(self.model, batch, steps=s.drafter.ttt_steps, decay=s.drafter.ttt_decay, loss=s.loss,
-                           target_head=s.target_head)
+        return eagle3_loss(self.model, batch, steps=s.drafter.ttt_steps, decay=s.drafter.ttt_decay,
+                           loss=s.loss, target_head=s.target_head)
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> list[int]:
         processed = torch.tensor([state.tokens[:-1]])
         bonus = torch.tensor([state.tokens[-1]])
-        return self.model.propose(state.aux_hidden[None], processed, bonus, self.speculative_tokens)[0].tolist()
+        drafts = self.model.propose(state.aux_hidden[None], processed, bonus, self.speculative_tokens)
+        return drafts[0].tolist()
 
     def config_fields(self, aux_layer_ids: list[int]) -> tuple[dict, dict]:
         return checkpoint.config_fields(self.model.config, aux_layer_ids)
@@ -50,5 +51,5 @@ class Eagle3(DrafterAlgorithm):
         declared = (config.get("transformer_layer_config") or {}).get("num_aux_hidden_states")
         if declared in (None, len(aux_layer_ids)):
             return []
-        return [f"transformer_layer_config.num_aux_hidden_states {declared} != {len(aux_layer_ids)} aux layer ids "
-                "(vLLM sizes fc from it)"]
+        return [f"transformer_layer_config.num_aux_hidden_states {declared} != {len(aux_layer_ids)} aux "
+                "layer ids (vLLM sizes fc from it)"]
