@@ -81,6 +81,9 @@ class CheckpointDestination(Block):
     secret_access_key: SecretStr | None = Field(None, description="Object-store secret of `url` (S3: secret).")
     hf_repo_id: str | None = Field(None, description="Hub repo id (owner/name) instead of a URL.")
     hf_token: SecretStr | None = Field(None, description="Hub token with write access.")
+    hf_private: bool = Field(
+        True, description="Create the Hub repo private (an existing repo keeps its visibility)."
+    )
 
     def settings(self) -> dict[str, Any]:
         if bool(self.url) == bool(self.hf_repo_id):
@@ -91,6 +94,16 @@ class CheckpointDestination(Block):
             "hf_repo_id": self.hf_repo_id,
             "hf_token": self.hf_token.get_secret_value() if self.hf_token else None,
         }
+
+    def destination(self):
+        """The core's :class:`~draftflow.publish.Destination`, secrets included (never a task parameter)."""
+        from draftflow.publish import Destination  # pulls torch (contract check): not at block import
+
+        s = self.settings()
+        if s["hf_repo_id"]:
+            return Destination(f"hf://{s['hf_repo_id']}", hf_token=s["hf_token"], private=self.hf_private)
+        return Destination.parse(s["url"], storage_options=s["storage_options"], hf_token=s["hf_token"],
+                                 private=self.hf_private)
 
 
 ALL_BLOCKS = (VLLMServer, HiddenStateStore, CheckpointDestination)

@@ -1,36 +1,95 @@
-"""Publishing a checkpoint folder: a model card, then an idempotent push.
+"""Publishing a checkpoint: refuse what was not measured or did not pass, write the card, push once.
 
-A published version is named by the content hash of the folder, so pushing the same
-checkpoint twice writes nothing the second time. fsspec destinations get the files
-first and a `PUBLISHED` marker last (a reader trusts only marked versions); the Hugging
-Face Hub path uploads one commit and skips it when the Hub already holds that hash.
+:func:`publish` is the one entry point (the ``draftflow publish`` command and the Prefect task
+both call it). It refuses, pushing nothing, when
+
+- the evaluation report is about other bytes than the folder holds (``report.json`` records the
+  checkpoint's digest, :func:`draftflow.models.speculators.checkpoint_digest`);
+- the report is not ``publishable``: gate failed, offline and vLLM disagree, or the contract
+  check found problems; or the contract check fails now.
+
+A published version is named by the content hash of the folder (its card aside), so pushing the
+same checkpoint twice writes nothing the second time. fsspec destinations get the files first
+and a ``PUBLISHED`` marker last (a reader trusts only marked versions); the Hugging Face Hub
+path uploads one commit into a repository created **private** unless the destination says
+otherwise, and skips the upload when the Hub already holds that version.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import fsspec
+import yaml
 
-from draftflow.paths import MODEL_CARD, join
+from draftflow.evaluation.contract import check_contract
+from draftflow.evaluation.report import Evaluation
+from draftflow.model_card import CHART_FILE, render
+from draftflow.models.provenance import read_provenance
+from draftflow.models.speculators import checkpoint_digest
+from draftflow.paths import EXPORT_RECIPE, MODEL_CARD, join
+from draftflow.recipe.load import expand, recipe_from_dict
+from draftflow.recipe.schema import Recipe
 
 PUBLISHED_MARKER = "PUBLISHED"
 VERSION_FILE = "draftflow-version.json"
+_NOT_VERSIONED = (VERSION_FILE, MODEL_CARD)  # the card names the version, so it cannot be part of it
+
+
+class PublishRefused(RuntimeError):
+    """The checkpoint may not be published (nothing was pushed); the message says why."""
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where to publish: an fsspec folder URL (one sub-folder per version) or ``hf://OWNER/REPO``.
+
+    ``hf://OWNER/REPO?private=false`` (or ``private=False``) creates a public Hub repository;
+    by default it is private.
+    """
+
+    url: str
+    storage_options: dict = field(default_factory=dict, repr=False)
+    hf_token: str | None = field(default=None, repr=False)
+    private: bool = True
+
+    @classmethod
+    def parse(cls, url: str, *, storage_options: dict | None = None, hf_token: str | None = None,
+              private: bool = True) -> Destination:
+        """``private``: for a new Hub repository, unless the URL's ``?private=`` says otherwise."""
+        parts = urlsplit(url)
+        if parts.scheme != "hf":
+            return cls(expand(url), dict(storage_options or {}), hf_token, private)
+        query = parse_qs(parts.query)
+        if "private" in query:
+            flag = query["private"][-1].lower()
+            if flag not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"{url}: private={flag!r} is neither true nor false")
+            private = flag in ("true", "1", "yes")
+        return cls(parts._replace(query="").geturl(), {}, hf_token, private)
+
+    @property
+    def hub_repo(self) -> str | None:
+        return self.url.removeprefix("hf://") if self.url.startswith("hf://") else None
 
 
 @dataclass(frozen=True)
 class Published:
-    location: str
+    location: str | None  # None: no destination, nothing pushed
     version: str
     pushed: bool  # False when that exact version was already there
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 def folder_digest(folder: Path) -> str:
     h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != VERSION_FILE):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_VERSIONED):
         h.update(path.relative_to(folder).as_posix().encode() + b"\0")
         with path.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -38,37 +97,69 @@ def folder_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def write_model_card(folder: Path, *, title: str, verifier: str, drafter_kind: str,
-                     serve_command: str, report_markdown: str, recipe_name: str,
-                     fingerprint: str, chart_file: str | None = None) -> Path:
-    lines = [
-        f"# {title}",
-        "",
-        f"A **{drafter_kind}** speculative-decoding drafter for `{verifier}`, trained with draftflow.",
-        "The folder is in the speculators format: `vllm serve` loads it directly and serves the",
-        "verifier with this drafter.",
-        "",
-        "```bash",
-        serve_command,
-        "```",
-        "",
-        "## Acceptance",
-        "",
-        report_markdown.strip(),
-        "",
-    ]
-    if chart_file:
-        lines += [f"![per-position acceptance]({chart_file})", ""]
-    lines += [
-        "## Provenance",
-        "",
-        f"- recipe: `{recipe_name}` (resolved copy in this folder)",
-        f"- data fingerprint: `{fingerprint}`",
-        "",
-    ]
-    path = folder / MODEL_CARD
-    path.write_text("\n".join(lines))
-    return path
+def check_publishable(checkpoint: Path, evaluation: Evaluation, target_info=None) -> None:
+    """Raise :class:`PublishRefused` unless ``evaluation`` measured exactly this folder and passed."""
+    digest = checkpoint_digest(checkpoint)
+    if evaluation.checkpoint_digest is None:
+        raise PublishRefused(f"the report records no checkpoint digest, so it cannot be tied to "
+                             f"{checkpoint}: evaluate the checkpoint again; nothing was pushed")
+    if evaluation.checkpoint_digest != digest:
+        raise PublishRefused(f"the report measured other bytes (checkpoint sha256 "
+                             f"{evaluation.checkpoint_digest[:12]}…) than {checkpoint} holds "
+                             f"({digest[:12]}…): evaluate this checkpoint; nothing was pushed")
+    if not evaluation.passed_gate:
+        raise PublishRefused(f"gate failed: τ {evaluation.tau:.3f} < evaluation.min_acceptance_length "
+                             f"{evaluation.min_acceptance_length}; nothing was pushed")
+    if not evaluation.agrees:
+        raise PublishRefused(f"{evaluation.disagreement()}; nothing was pushed")
+    problems = list(evaluation.contract_problems) or check_contract(checkpoint, target_info)
+    if problems:
+        raise PublishRefused("checkpoint contract broken; nothing was pushed:\n- " + "\n- ".join(problems))
+
+
+def publish(checkpoint: str | Path, report: str | Path, destination: Destination | None, *,
+            target_info=None, recipe: Recipe | None = None) -> Published:
+    """Check, write the model card (and chart) into ``checkpoint``, push it to ``destination``.
+
+    ``report``: the ``report.json`` of the evaluation of this checkpoint (its ``acceptance.png``
+    beside it goes into the folder). ``target_info``: the verifier's sizes, for a fuller contract
+    check. ``recipe``: used when the folder has no ``recipe.yaml`` (the trainer writes one).
+    ``destination`` None: check and write the card, push nothing.
+    """
+    folder = Path(checkpoint)
+    report = Path(report)
+    evaluation = Evaluation.from_dict(json.loads(report.read_text()))
+    check_publishable(folder, evaluation, target_info)
+    chart = report.with_name(CHART_FILE)
+    if chart.is_file():
+        (folder / CHART_FILE).write_bytes(chart.read_bytes())
+    recipe, recipe_text = _recipe(folder, recipe)
+    version = folder_digest(folder)
+    name = f"{recipe.name}-{version}"
+    location = None
+    if destination is not None:
+        location = f"hf://{destination.hub_repo}" if destination.hub_repo else join(destination.url, name)
+    card = render(recipe=recipe, recipe_text=recipe_text, provenance=read_provenance(folder) or {},
+                  evaluation=evaluation, location=location or str(folder), folder_name=name,
+                  chart=chart.is_file())
+    (folder / MODEL_CARD).write_text(card)
+    if destination is None:
+        return Published(None, version, pushed=False)
+    if destination.hub_repo:
+        return push_hub(folder, destination.hub_repo, destination.hf_token, private=destination.private)
+    return push_fsspec(folder, destination.url, recipe.name, destination.storage_options)
+
+
+def _recipe(folder: Path, fallback: Recipe | None) -> tuple[Recipe, str]:
+    path = folder / EXPORT_RECIPE
+    if path.is_file():
+        text = path.read_text()
+        return recipe_from_dict(yaml.safe_load(text), str(path)), text
+    if fallback is None:
+        raise PublishRefused(f"{folder} has no {EXPORT_RECIPE} (the trainer's export writes one) and no "
+                             "recipe was given: the model card cannot say how it was trained; nothing was "
+                             "pushed")
+    return fallback, yaml.safe_dump(json.loads(fallback.model_dump_json()), sort_keys=False)
 
 
 def push_fsspec(folder: Path, dest_url: str, name: str, storage_options: dict | None = None) -> Published:
@@ -88,13 +179,14 @@ def push_fsspec(folder: Path, dest_url: str, name: str, storage_options: dict | 
     return Published(target, version, pushed=True)
 
 
-def push_hub(folder: Path, repo_id: str, token: str | None, api=None) -> Published:
-    """Upload to the Hub unless its newest commit already carries this version."""
-    from huggingface_hub import HfApi, hf_hub_download
+def push_hub(folder: Path, repo_id: str, token: str | None, *, private: bool = True, api=None) -> Published:
+    """Upload to the Hub unless its newest commit already carries this version; a new repository
+    is created private unless ``private`` is False (an existing one keeps its visibility)."""
+    from huggingface_hub import HfApi, hf_hub_download  # only the Hub path needs it
 
     api = api or HfApi(token=token)
     version = folder_digest(folder)
-    api.create_repo(repo_id, exist_ok=True, token=token)
+    api.create_repo(repo_id, exist_ok=True, private=private, token=token)
     try:
         current = json.loads(Path(hf_hub_download(repo_id, VERSION_FILE, token=token)).read_text())
     except Exception:  # no such file yet (new repo), or not readable: upload

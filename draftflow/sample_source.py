@@ -28,7 +28,7 @@ from typing import Literal
 import pyarrow as pa
 
 from draftflow import paths
-from draftflow.data.regenerate import run_coroutine
+from draftflow.async_run import run_coroutine
 from draftflow.extraction import ShardResult, extract_samples, extract_shard, make_client, train_set
 from draftflow.plan import Plan
 from draftflow.process_env import storage_options_from_env, vllm_api_key_from_env

@@ -6,12 +6,19 @@ names of infrastructure blocks (none needed for a local run: the recipe's defaul
 
 from __future__ import annotations
 
-from prefect import flow, unmapped
+from prefect import flow
 from prefect.runtime import flow_run
 
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.evaluate import publish as publish_task
-from tasks.extract import check_or_start_vllm, extract_shard, plan_shards, prepare_data, shard_table
+from tasks.extract import (
+    check_or_start_vllm,
+    extract_every_shard,
+    fail_on_failed_shards,
+    prepare_data,
+    shard_table,
+    stopped_unless_kept,
+)
 from tasks.recipe import resolve_plan
 from tasks.train import train_drafter
 
@@ -39,30 +46,11 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     overrides = list(overrides or [])
     ref = resolve_plan(recipe, overrides)
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
-    try:
+    with stopped_unless_kept(server, keep_server):
         prepare_data(recipe, overrides, store_block, vllm_block)
-        shards = plan_shards(recipe, overrides, store_block)["all"]
-        args = (unmapped(recipe), unmapped(overrides), unmapped(ref["fingerprint"]))
-        infra = (unmapped(store_block), unmapped(vllm_block))
-        outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
-        # The manifest is the truth: a shard it still lacks although its task "succeeded" came
-        # from a stale cache (store wiped or moved) and runs again, ignoring the cache.
-        missing = set(plan_shards(recipe, overrides, store_block)["missing"])
-        stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
-        if stale:
-            again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
-            redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
-            outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
+        shards, outcomes = extract_every_shard(recipe, overrides, ref["fingerprint"], store_block, vllm_block)
         summary = shard_table(shards, outcomes, ref["shard_table_key"])
-    except BaseException:
-        server.stop()
-        raise
-    if not keep_server:
-        server.stop()
-    if summary["failed"]:
-        server.stop()
-        raise RuntimeError(f"{summary['failed']} of {summary['shards']} shards failed; retry the flow run "
-                           "to extract only those (completed shards are cached and in the manifest)")
+        fail_on_failed_shards(summary)
     return (summary, server) if keep_server else summary
 
 

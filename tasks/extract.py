@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, task, unmapped
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 
@@ -126,3 +128,41 @@ def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: st
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}
 
+
+def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, store_block: str | None,
+                        vllm_block: str | None) -> tuple[list[str], list[dict | BaseException]]:
+    """One mapped extract-shard task per shard (call it from a flow), and each shard's outcome.
+
+    The manifest is the truth: a shard it still lacks although its task "succeeded" came from a
+    stale cache (store wiped or moved) and runs again, ignoring the cache.
+    """
+    shards = plan_shards(recipe, overrides, store_block)["all"]
+    args = (unmapped(recipe), unmapped(overrides), unmapped(fingerprint))
+    infra = (unmapped(store_block), unmapped(vllm_block))
+    outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
+    missing = set(plan_shards(recipe, overrides, store_block)["missing"])
+    stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
+    if stale:
+        again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
+        redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
+        outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
+    return shards, outcomes
+
+
+def fail_on_failed_shards(summary: dict) -> None:
+    if summary["failed"]:
+        raise RuntimeError(f"{summary['failed']} of {summary['shards']} shards failed; retry the flow run "
+                           "to extract only those (completed shards are cached and in the manifest)")
+
+
+@contextmanager
+def stopped_unless_kept(server: ServerHandle, keep: bool) -> Iterator[ServerHandle]:
+    """Stop the servers ``check-or-start-vllm`` started when the block fails, and when it ends
+    unless ``keep`` (online / hybrid training goes on reading from them)."""
+    try:
+        yield server
+    except BaseException:
+        server.stop()
+        raise
+    if not keep:
+        server.stop()

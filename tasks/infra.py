@@ -6,10 +6,13 @@ task loads the blocks it needs by name and hands plain values to the core.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from blocks.infrastructure import HiddenStateStore, VLLMServer
 from draftflow.plan import Plan
+from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
+from draftflow.recipe.schema import VLLMLaunchSection
 
 
 @dataclass
@@ -18,7 +21,7 @@ class Infra:
     storage_options: dict = field(default_factory=dict, repr=False)
     endpoints: list[str] | None = None
     api_key: str | None = field(default=None, repr=False)
-    launch: object | None = None
+    launch: VLLMLaunchSection | None = None
     launch_from_block: bool = False
 
 
@@ -44,10 +47,6 @@ def plan_for(recipe: str, infra: Infra) -> Plan:
 
 def subprocess_env(infra: Infra) -> dict[str, str]:
     """Settings for a subprocess (torchrun) through the environment, not its command line."""
-    import json
-
-    from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
-
     env = {}
     if infra.storage_options:
         env[STORAGE_OPTIONS_ENV] = json.dumps(infra.storage_options)

@@ -18,7 +18,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from draftflow.plan import Plan
-from draftflow.train.__main__ import RESULT_PREFIX
+from draftflow.train import RESULT_PREFIX
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key

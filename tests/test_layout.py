@@ -54,3 +54,54 @@ def test_modules_stay_small():
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert big == {}
+
+
+DRAFTER_KINDS = {"dflash", "eagle3"}
+DRAFTER_CLASSES = {"DFlashDrafter", "Eagle3Drafter", "DFlash", "Eagle3"}
+# Where kinds are declared: the models package (one folder per kind + the registry) and the
+# recipe sections of each kind.
+KIND_DECLARATIONS = ("draftflow/models/", "draftflow/recipe/schema.py")
+
+
+def _kind_branches(path: Path) -> list[str]:
+    """Comparisons with a kind name, dicts keyed by kind names, isinstance on a drafter class."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for op in operands:
+                elts = op.elts if isinstance(op, (ast.Tuple, ast.List, ast.Set)) else [op]
+                if any(isinstance(e, ast.Constant) and e.value in DRAFTER_KINDS for e in elts):
+                    found.append(f"line {node.lineno}: compares with a drafter kind")
+        elif isinstance(node, ast.Dict):
+            if any(isinstance(k, ast.Constant) and k.value in DRAFTER_KINDS for k in node.keys):
+                found.append(f"line {node.lineno}: a dict keyed by drafter kind")
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant):
+            if node.value.value in DRAFTER_KINDS:
+                found.append(f"line {node.lineno}: matches a drafter kind")
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+            names = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])}
+            if names & DRAFTER_CLASSES:
+                found.append(f"line {node.lineno}: isinstance on a drafter class")
+    return found
+
+
+def test_only_models_knows_drafter_kinds_apart():
+    """Trainer, evaluator, contract check, export and publishing call the algorithm object of
+    :mod:`draftflow.models`; none of them branches on which kind it is."""
+    offenders = {}
+    for folder in ("draftflow", "tasks", "flows", "blocks"):
+        for p in _py_files(folder):
+            rel = p.relative_to(REPO).as_posix()
+            if rel.startswith(KIND_DECLARATIONS):
+                continue
+            if found := _kind_branches(p):
+                offenders[rel] = found
+    assert offenders == {}
+
+
+def test_the_kind_rule_catches_a_branch(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('if spec.kind == "eagle3":\n    pass\nkeys = {"dflash": 1}\n'
+                      'ok = isinstance(m, DFlashDrafter)\n')
+    assert len(_kind_branches(sample)) == 3

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
 
+from draftflow.process_env import STORAGE_OPTIONS_ENV, storage_options_from_env
 from draftflow.recipe.load import RecipeError
 
-COMMAND_MODULES = ("recipes", "extract", "store", "evaluate")
+COMMAND_MODULES = ("recipes", "extract", "store", "evaluate", "publish")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
     parser = argparse.ArgumentParser(
         prog="draftflow",
         description="Train speculative-decoding drafters (DFlash, Eagle3) for vLLM from one recipe YAML.",
@@ -31,8 +32,6 @@ def add_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:
-    from draftflow.process_env import STORAGE_OPTIONS_ENV
-
     parser.add_argument(
         "--storage-options", dest="storage_options", default=None, metavar="JSON",
         help="fsspec options of the store as a JSON object, e.g. "
@@ -43,10 +42,6 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
 
 def storage_options(args: argparse.Namespace) -> dict:
     """--storage-options, else the environment variable, else none."""
-    import json
-
-    from draftflow.process_env import storage_options_from_env
-
     if args.storage_options is None:
         return storage_options_from_env()
     try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from draftflow.cli import add_overrides
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from draftflow.cli import add_overrides
-
     p = sub.add_parser("evaluate", help="acceptance of an exported drafter: contract check, offline simulator, vLLM")
     p.add_argument("checkpoint", help="the exported speculators folder (config.json + model.safetensors)")
     p.add_argument("--recipe", required=True, help="the recipe it was trained with (eval prompts, settings)")

@@ -7,15 +7,14 @@ import sys
 import time
 from typing import TextIO
 
+from draftflow.cli import add_overrides, add_storage_options, storage_options
 from draftflow.extraction import ExtractionProgress
+from draftflow.process_env import VLLM_API_KEY_ENV, vllm_api_key_from_env
 
 _BAR_WIDTH = 24
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from draftflow.cli import add_overrides, add_storage_options
-    from draftflow.process_env import VLLM_API_KEY_ENV
-
     p = sub.add_parser(
         "extract",
         help="extract the recipe's hidden states into its data folder (only missing, failed or corrupt shards)",
@@ -81,11 +80,9 @@ class ProgressBar:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    from draftflow.cli import storage_options
     from draftflow.data.regenerate import RegenerationError
     from draftflow.extraction import run_extraction
     from draftflow.plan import Plan
-    from draftflow.process_env import vllm_api_key_from_env
     from draftflow.vllm.client import VLLMError
     from draftflow.vllm.launch import ServerStartError
 

@@ -8,6 +8,7 @@ import sys
 
 import yaml
 
+from draftflow.cli import add_overrides
 from draftflow.recipe import catalog
 from draftflow.recipe.checks import resolve_context_layer_ids, validate
 from draftflow.recipe.fingerprint import fingerprint
@@ -15,8 +16,6 @@ from draftflow.recipe.load import RecipeError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from draftflow.cli import add_overrides
-
     recipes = sub.add_parser("recipes", help="list, fork, validate and show recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
 

@@ -10,6 +10,9 @@ import argparse
 import sys
 from collections import Counter
 
+from draftflow.cli import add_overrides, add_storage_options, storage_options
+from draftflow.recipe.load import RecipeError
+
 _SUBCOMMANDS = {
     "ls": "summary: manifest files, shards, samples, tokens, orphan objects",
     "verify": "re-hash every listed shard; exits 1 and names each bad shard",
@@ -20,8 +23,6 @@ _SUBCOMMANDS = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from draftflow.cli import add_overrides, add_storage_options
-
     store = sub.add_parser("store", help="inspect and maintain a hidden-state data folder")
     ssub = store.add_subparsers(dest="store_command", required=True)
     for name, help_text in _SUBCOMMANDS.items():
@@ -42,9 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _open(args: argparse.Namespace):
     """(Store, Plan or None) from the URL or --recipe; exactly one must be given."""
-    from draftflow.cli import storage_options
     from draftflow.plan import Plan
-    from draftflow.recipe.load import RecipeError
     from draftflow.store import Store
 
     if bool(args.url) == bool(args.recipe):
@@ -109,8 +108,6 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 def infer_samples_per_shard(manifest, expected_ids: list[str]) -> int:
     """Rows per fragment (failed samples included): every shard but the last holds exactly that
     many. Accepted only if each listed shard holds exactly its slice of the expected order."""
-    from draftflow.recipe.load import RecipeError
-
     counts = Counter(manifest["shard_id"].to_pylist())
     if not counts:
         raise RecipeError("the manifest is empty: give --samples-per-shard or --recipe")

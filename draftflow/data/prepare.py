@@ -57,7 +57,8 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     samples_table,
     write_parquet,
 )
-from draftflow.data.regenerate import Generate, regenerate_conversations, run_coroutine
+from draftflow.async_run import run_coroutine
+from draftflow.data.regenerate import Generate, regenerate_conversations
 from draftflow.data.sources import Conversation, read_source, source_label
 from draftflow.paths import DataLayout
 from draftflow.recipe.fingerprint import DATA_FORMAT_VERSION

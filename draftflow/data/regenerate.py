@@ -8,9 +8,7 @@ plumbing is testable with a fake.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from draftflow.data.sources import Conversation
 
@@ -88,25 +86,3 @@ async def regenerate_conversations(
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return results, errors
-
-
-def run_coroutine(coro: Any) -> Any:
-    """asyncio.run, also from code that already runs an event loop (it gets its own thread)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as err:  # re-raised in the caller's thread
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name="draftflow-regenerate")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

@@ -1,10 +1,9 @@
 """The contract between an exported checkpoint and how it was trained, checked before publishing.
 
-The trainer writes ``provenance.json`` next to ``config.json`` (:func:`write_provenance`): the
-recipe and data fingerprint, the drafter kind, the verifier, the extracted layer ids and the
-drafter's context ("aux") layer ids (extraction convention: id k = residual stream entering
-target layer k), the mask token, the draft vocabulary (size and a sha256 of ``d2t``), the draft
-length and the target's hidden and vocabulary sizes.
+The trainer writes ``provenance.json`` next to ``config.json``
+(:func:`draftflow.models.provenance.write_provenance`): the recipe and data fingerprint, the
+drafter kind, the verifier, the extracted and the aux layer ids, the mask token, the draft
+vocabulary, the draft length and the target's hidden and vocabulary sizes.
 
 :func:`check_contract` compares what vLLM will read (config.json, model.safetensors) with that
 record and with itself, and returns one sentence per problem. The mistakes it is built for
@@ -15,60 +14,20 @@ token, another verifier, another draft length.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
-from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS
-
-PROVENANCE = "provenance.json"
-PROVENANCE_FIELDS = ("recipe_name", "fingerprint", "drafter", "verifier", "extracted_layer_ids", "aux_layer_ids",
-                     "mask_token_id", "draft_vocab_size", "d2t_sha256", "speculative_tokens", "target_hidden_size",
-                     "target_vocab_size")
-AUX_KEYS = {"dflash": "aux_hidden_state_layer_ids", "eagle3": "eagle_aux_hidden_state_layer_ids"}
-
+from draftflow.models import algorithm_class, kinds
+from draftflow.models.provenance import d2t_digest, read_provenance
+from draftflow.models import speculators
+from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE
 
 class ContractError(ValueError):
     """The checkpoint does not match its training provenance (or itself)."""
-
-
-def d2t_digest(d2t: Tensor) -> str:
-    """sha256 of the d2t tensor's bytes as stored (int64, little-endian, contiguous)."""
-    return hashlib.sha256(d2t.detach().cpu().to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
-
-
-def write_provenance(folder: str | Path, *, d2t: Tensor | None = None, **fields) -> Path:
-    """Write ``provenance.json`` into an export folder.
-
-    Fields: :data:`PROVENANCE_FIELDS`; ``d2t`` (the tensor) may be given instead of
-    ``d2t_sha256``. ``mask_token_id``, ``draft_vocab_size`` and ``d2t_sha256`` may be None
-    (Eagle3 / full vocabulary).
-    """
-    if d2t is not None:
-        fields["d2t_sha256"] = d2t_digest(d2t)
-    for optional in ("mask_token_id", "draft_vocab_size", "d2t_sha256"):
-        fields.setdefault(optional, None)
-    missing = [f for f in PROVENANCE_FIELDS if f not in fields]
-    unknown = [f for f in fields if f not in PROVENANCE_FIELDS]
-    if missing or unknown:
-        raise ValueError(f"provenance: missing fields {missing}, unknown fields {unknown}")
-    if fields["drafter"] not in AUX_KEYS:
-        raise ValueError(f"provenance: drafter must be one of {sorted(AUX_KEYS)}, not {fields['drafter']!r}")
-    record = {f: fields[f] for f in PROVENANCE_FIELDS}
-    for key in ("extracted_layer_ids", "aux_layer_ids"):
-        record[key] = [int(i) for i in record[key]]
-    record["verifier"] = str(record["verifier"])
-    path = Path(folder) / PROVENANCE
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
-
-
-def read_provenance(folder: str | Path) -> dict | None:
-    path = Path(folder) / PROVENANCE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _shift_hint(found: list[int], trained: list[int]) -> str:
@@ -82,15 +41,13 @@ def _shift_hint(found: list[int], trained: list[int]) -> str:
 
 
 def _read_weights(folder: Path) -> tuple[dict[str, tuple[int, ...]], Tensor | None]:
-    from safetensors import safe_open
-
     with safe_open(str(folder / EXPORT_WEIGHTS), "pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         d2t = f.get_tensor("d2t") if "d2t" in shapes else None
     return shapes, d2t
 
 
-def _file_problems(config: dict, kind: str, aux: list[int], shapes: dict, d2t: Tensor | None) -> list[str]:
+def _file_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: Tensor | None) -> list[str]:
     """What is inconsistent inside the folder itself."""
     out = []
     layer = config.get("transformer_layer_config") or {}
@@ -101,9 +58,6 @@ def _file_problems(config: dict, kind: str, aux: list[int], shapes: dict, d2t: T
     elif fc != (hidden, len(aux) * hidden):
         out.append(f"fc.weight shape {list(fc)} does not read the {len(aux)} aux layers {aux} of hidden size {hidden} "
                    f"(expected {[hidden, len(aux) * hidden]})")
-    if kind == "eagle3" and layer.get("num_aux_hidden_states") not in (None, len(aux)):
-        out.append(f"transformer_layer_config.num_aux_hidden_states {layer['num_aux_hidden_states']} != "
-                   f"{len(aux)} aux layer ids (vLLM sizes fc from it)")
     draft_vocab = int(config.get("draft_vocab_size") or vocab)
     head = shapes.get("lm_head.weight")
     if head is not None and head[0] != draft_vocab:
@@ -118,27 +72,7 @@ def _file_problems(config: dict, kind: str, aux: list[int], shapes: dict, d2t: T
             out.append("d2t target ids are not strictly increasing (a corrupt or hand-edited mapping)")
     elif head is not None and head[0] != vocab:
         out.append(f"lm_head.weight has {head[0]} rows (a reduced vocabulary) but there is no d2t mapping")
-    if kind == "dflash":
-        mask = config.get("mask_token_id")
-        if mask is None or not 0 <= int(mask) < vocab:
-            out.append(f"config.json mask_token_id {mask} is not a token of the {vocab}-token vocabulary")
-        block = config.get("block_size")
-        spec = _speculative_tokens(config)
-        if block is not None and spec is not None and int(block) - 1 != spec:
-            out.append(f"config.json block_size {block} drafts {int(block) - 1} tokens but speculative_tokens "
-                       f"is {spec}")
-    return out
-
-
-def _speculative_tokens(config: dict) -> int | None:
-    try:
-        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    except (KeyError, IndexError, TypeError):
-        return None
-
-
-def _verifier(config: dict) -> str | None:
-    return ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return out + kind.config_problems(config, aux)
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -148,28 +82,28 @@ def _same_model(a: str, b: str) -> bool:
     return a.rstrip("/") == b.rstrip("/")
 
 
-def _provenance_problems(config: dict, kind: str, aux: list[int], shapes: dict, d2t: Tensor | None,
+def _provenance_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: Tensor | None,
                          prov: dict) -> list[str]:
     """What differs between the folder and the training record."""
     out = []
     layer = config.get("transformer_layer_config") or {}
-    if prov.get("drafter") != kind:
-        out.append(f"config.json speculators_model_type {kind!r} != trained drafter {prov.get('drafter')!r}")
+    if prov.get("drafter") != kind.kind:
+        out.append(f"config.json speculators_model_type {kind.kind!r} != trained drafter "
+                   f"{prov.get('drafter')!r}")
     trained = [int(i) for i in prov.get("aux_layer_ids") or []]
     if aux != trained:
-        out.append(f"config.json {AUX_KEYS[kind]} {aux} != trained {trained}{_shift_hint(aux, trained)}")
+        out.append(f"config.json {kind.aux_layer_ids_key} {aux} != trained "
+                   f"{trained}{_shift_hint(aux, trained)}")
     extracted = [int(i) for i in prov.get("extracted_layer_ids") or []]
     if not set(trained) <= set(extracted):
         out.append(f"trained aux layers {trained} are not all among the extracted layers {extracted}")
-    verifier = _verifier(config)
-    if verifier is None or not _same_model(verifier, str(prov.get("verifier"))):
-        out.append(f"config.json verifier {verifier!r} != the target trained against {prov.get('verifier')!r}")
-    spec = _speculative_tokens(config)
+    served = speculators.verifier(config)
+    if served is None or not _same_model(served, str(prov.get("verifier"))):
+        out.append(f"config.json verifier {served!r} != the target trained against {prov.get('verifier')!r}")
+    spec = speculators.speculative_tokens(config)
     if spec != prov.get("speculative_tokens"):
         out.append(f"config.json speculative_tokens {spec} != trained {prov.get('speculative_tokens')}")
-    if kind == "dflash" and config.get("mask_token_id") != prov.get("mask_token_id"):
-        out.append(f"config.json mask_token_id {config.get('mask_token_id')} != trained {prov.get('mask_token_id')} "
-                   "(the block's mask slots would be fed another token than in training)")
+    out += kind.provenance_problems(config, prov)
     vocab = int(layer.get("vocab_size", 0))
     head_rows = (shapes.get("lm_head.weight") or (None,))[0]
     trained_vocab = prov.get("draft_vocab_size")
@@ -224,15 +158,17 @@ def check_contract(folder: str | Path, target_info=None, *, verifier: str | None
     if not (folder / EXPORT_CONFIG).is_file() or not (folder / EXPORT_WEIGHTS).is_file():
         return [f"{folder}: not an exported checkpoint ({EXPORT_CONFIG} and {EXPORT_WEIGHTS} required)"]
     config = json.loads((folder / EXPORT_CONFIG).read_text())
-    kind = config.get("speculators_model_type")
-    if kind not in AUX_KEYS:
-        return [f"config.json speculators_model_type {kind!r} is neither 'dflash' nor 'eagle3'"]
-    if AUX_KEYS[kind] not in config:
-        return [f"config.json has no {AUX_KEYS[kind]} (vLLM needs the layers the drafter reads)"]
-    aux = [int(i) for i in config[AUX_KEYS[kind]]]
+    name = config.get("speculators_model_type")
+    if name not in kinds():
+        return [f"config.json speculators_model_type {name!r} is none of the drafter kinds {kinds()}"]
+    kind = algorithm_class(name)
+    key = kind.aux_layer_ids_key
+    if key not in config:
+        return [f"config.json has no {key} (vLLM needs the layers the drafter reads)"]
+    aux = [int(i) for i in config[key]]
     problems = []
     if aux != sorted(set(aux)):
-        problems.append(f"config.json {AUX_KEYS[kind]} {aux} is not ascending and unique (vLLM sorts them; "
+        problems.append(f"config.json {key} {aux} is not ascending and unique (vLLM sorts them; "
                         "fc's input blocks would be read in another order)")
     shapes, d2t = _read_weights(folder)
     problems += _file_problems(config, kind, aux, shapes, d2t)
@@ -247,8 +183,9 @@ def check_contract(folder: str | Path, target_info=None, *, verifier: str | None
                             f"{fingerprint!r}: its eval split is not known to be held out for this checkpoint")
     if target_info is not None:
         problems += _target_problems(config, aux, target_info)
-    if verifier is not None and not _same_model(str(_verifier(config)), str(verifier)):
-        problems.append(f"config.json verifier {_verifier(config)!r} != the target evaluated here {verifier!r}")
+    served = speculators.verifier(config)
+    if verifier is not None and not _same_model(str(served), str(verifier)):
+        problems.append(f"config.json verifier {served!r} != the target evaluated here {verifier!r}")
     return problems
 
 

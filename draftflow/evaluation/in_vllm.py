@@ -33,8 +33,9 @@ from typing import Any
 
 import httpx
 
-from draftflow.evaluation.offline import checkpoint_info
 from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
+from draftflow.models import checkpoint_info
+from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port
 
 ServerFactory = Callable[[str, dict | None], AbstractContextManager[str]]
@@ -103,35 +104,23 @@ def parse_spec_counters(text: str) -> SpecCounters:
 # ---------------------------------------------------------------------------------------
 
 class LaunchServerFactory:
-    """Starts one vLLM server per use (LaunchSpec/ServerProcess) and stops it afterwards."""
+    """Starts one vLLM server per use with a recipe's ``vllm.launch`` settings and stops it
+    afterwards; fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32)."""
 
-    def __init__(self, python: str, *, device: str = "cpu", dtype: str = "auto", max_model_len: int = 1024,
-                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                 log_dir: str | Path | None = None, startup_timeout_s: float = 600.0, host: str = "127.0.0.1"):
-        self.python, self.device, self.dtype, self.max_model_len = python, device, dtype, max_model_len
-        self.extra_args, self.env = list(extra_args), dict(env or {})
-        self.log_dir, self.startup_timeout_s, self.host = log_dir, startup_timeout_s, host
-
-    @classmethod
-    def from_recipe(cls, launch, *, log_dir: str | Path | None = None, dtype: str | None = None) -> LaunchServerFactory:
-        """From a recipe's ``vllm.launch`` section; fp32 on CPU unless ``dtype`` says otherwise."""
-        from draftflow.recipe.load import expand
-
-        return cls(expand(launch.python), device=launch.device, dtype=dtype or ("float32" if launch.device == "cpu"
-                                                                               else "auto"),
-                   max_model_len=launch.max_model_len, extra_args=launch.extra_args, env=launch.env,
-                   log_dir=log_dir, startup_timeout_s=launch.startup_timeout_s)
+    def __init__(self, launch: VLLMLaunchSection, *, dtype: str | None = None,
+                 log_dir: str | Path | None = None, host: str = "127.0.0.1"):
+        self.launch, self.log_dir, self.host = launch, log_dir, host
+        self.dtype = dtype or ("float32" if launch.device == "cpu" else "auto")
 
     @contextmanager
     def __call__(self, model: str, speculative_config: dict | None = None) -> Iterator[str]:
         port = free_port()
         log = str(Path(self.log_dir) / f"vllm-eval-{port}.log") if self.log_dir else None
-        spec = LaunchSpec(python=self.python, model=str(model), port=port, host=self.host, device=self.device,
-                          dtype=self.dtype, max_model_len=self.max_model_len, speculative_config=speculative_config,
-                          extra_args=self.extra_args, env=self.env, log_path=log)
+        spec = LaunchSpec.from_section(self.launch, model=str(model), port=port, host=self.host,
+                                       dtype=self.dtype, speculative_config=speculative_config, log_path=log)
         server = ServerProcess(spec).start()
         try:
-            server.wait_healthy(self.startup_timeout_s)
+            server.wait_healthy(self.launch.startup_timeout_s)
             yield server.url
         finally:
             server.stop()

@@ -23,7 +23,7 @@ before the final norm (a forward hook on the last decoder layer; transformers' l
 ``hidden_states`` entry is after the norm).
 
 Proposers are pluggable (:class:`Proposer`): the drafter loaded from an exported checkpoint
-folder (:func:`checkpoint_proposer`, the files vLLM reads), and for tests an oracle that knows
+folder (:func:`checkpoint_proposer`, the files vLLM reads); the tests add an oracle that knows
 the target's greedy continuation and a proposer that is always wrong.
 """
 
@@ -39,24 +39,14 @@ import torch
 from torch import Tensor
 
 from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
+from draftflow.models import checkpoint_info, load_drafter
+from draftflow.models.algorithm import DraftState, DrafterAlgorithm
+from draftflow.models.target_weights import resolve_model_dir
+
 
 
 class LosslessError(AssertionError):
     """Speculative decoding produced another output than the target's plain greedy decoding."""
-
-
-@dataclass
-class DraftState:
-    """What a proposer sees before one verification step."""
-
-    prompt_index: int
-    tokens: list[int]  # prompt + generated; tokens[-1] is the bonus token the target has not processed
-    num_prompt_tokens: int
-    aux_hidden: Tensor | None  # [len(tokens) - 1, n_aux, H] target states of the processed tokens
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
 
 
 class Proposer(Protocol):
@@ -74,9 +64,7 @@ class Proposer(Protocol):
 
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The target as transformers loads it (fp32 on CPU by default), in eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    from draftflow.models.target_weights import resolve_model_dir
+    from transformers import AutoModelForCausalLM  # heavy: only when a target is loaded
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_dir(str(model_dir)), dtype=dtype).eval()
 
@@ -270,93 +258,28 @@ def check_same_as_greedy(runner: TargetRunner, prompt: Sequence[int], output: li
 # ---------------------------------------------------------------------------------------
 
 class DrafterProposer:
-    """A DFlash or Eagle3 drafter (draftflow.models) proposing as vLLM runs it."""
+    """A drafter of any kind (its :class:`~draftflow.models.algorithm.DrafterAlgorithm`) proposing
+    as vLLM runs it."""
 
-    def __init__(self, drafter, aux_layer_ids: Sequence[int], draft_length: int, name: str):
-        from draftflow.models.dflash import DFlashDrafter
-
-        self.drafter = drafter.eval()
+    def __init__(self, drafter: DrafterAlgorithm, aux_layer_ids: Sequence[int]):
+        drafter.model.eval()
+        self.drafter = drafter
         self.aux_layer_ids = list(aux_layer_ids)
-        self.draft_length = int(draft_length)
-        self.name = name
-        self.is_dflash = isinstance(drafter, DFlashDrafter)
-        if self.is_dflash and self.draft_length != drafter.config.block_size - 1:
-            raise ValueError(f"a DFlash block drafts block_size - 1 = {drafter.config.block_size - 1} tokens, "
-                             f"not {self.draft_length}")
+        self.draft_length = drafter.speculative_tokens
+        self.name = drafter.kind
 
-    @torch.no_grad()
     def propose(self, state: DraftState) -> list[int]:
-        hidden = state.aux_hidden[None]  # [1, T, n, H]
-        bonus = torch.tensor([state.tokens[-1]])
-        if self.is_dflash:
-            return self.drafter.propose(hidden, bonus)[0].tolist()
-        processed = torch.tensor([state.tokens[:-1]])
-        return self.drafter.propose(hidden, processed, bonus, self.draft_length)[0].tolist()
-
-
-def checkpoint_info(folder: str | Path) -> dict:
-    """kind, aux layer ids, speculative tokens and verifier of an exported speculators folder."""
-    from draftflow.models.speculators import read_config
-
-    config = read_config(folder)
-    kind = config.get("speculators_model_type")
-    key = {"dflash": "aux_hidden_state_layer_ids", "eagle3": "eagle_aux_hidden_state_layer_ids"}.get(kind)
-    if key is None:
-        raise ValueError(f"{folder}: unknown speculators_model_type {kind!r}")
-    spec = config["speculators_config"]
-    return {
-        "kind": kind,
-        "aux_layer_ids": sorted(int(i) for i in config[key]),  # vLLM sorts them, so does the drafter's fc
-        "speculative_tokens": int(spec["proposal_methods"][0]["speculative_tokens"]),
-        "verifier": spec["verifier"]["name_or_path"],
-    }
+        return self.drafter.propose(state)
 
 
 def checkpoint_proposer(folder: str | Path, *, target: str | Path | None = None,
                         draft_length: int | None = None) -> DrafterProposer:
-    """The drafter rebuilt from the exported folder (the files vLLM reads), in fp32."""
-    from draftflow.models import load_drafter
-
-    info = checkpoint_info(folder)
+    """The drafter rebuilt from the exported folder (the files vLLM reads), in fp32; ``draft_length``
+    overrides the exported draft length where the kind allows it."""
     drafter = load_drafter(folder, target=target, dtype=torch.float32)
-    return DrafterProposer(drafter, info["aux_layer_ids"], draft_length or info["speculative_tokens"], info["kind"])
-
-
-class OracleProposer:
-    """Proposes the target's own greedy continuation: every draft is accepted (τ = k + 1).
-
-    ``continuations[i]`` is the target's greedy output for prompt i, long enough to cover
-    ``max_new_tokens + k`` (vLLM counts acceptances past ``max_new_tokens``); positions past
-    its end are filled with token 0.
-    """
-
-    name = "oracle"
-    aux_layer_ids: Sequence[int] = ()
-
-    def __init__(self, continuations: Sequence[Sequence[int]], draft_length: int):
-        self.continuations = [list(c) for c in continuations]
-        self.draft_length = int(draft_length)
-
-    def _ahead(self, state: DraftState) -> list[int]:
-        known = self.continuations[state.prompt_index][state.num_generated: state.num_generated + self.draft_length]
-        return known + [0] * (self.draft_length - len(known))
-
-    def propose(self, state: DraftState) -> list[int]:
-        return self._ahead(state)
-
-
-class AlwaysWrongProposer(OracleProposer):
-    """Proposes, first, a token the target does not predict: nothing is ever accepted (τ = 1)."""
-
-    name = "always-wrong"
-
-    def __init__(self, continuations: Sequence[Sequence[int]], draft_length: int, vocab_size: int):
-        super().__init__(continuations, draft_length)
-        self.vocab_size = int(vocab_size)
-
-    def propose(self, state: DraftState) -> list[int]:
-        ahead = self._ahead(state)
-        return [(ahead[0] + 1) % self.vocab_size] + ahead[1:]
+    if draft_length is not None:
+        drafter = type(drafter)(drafter.model, speculative_tokens=draft_length)
+    return DrafterProposer(drafter, checkpoint_info(folder)["aux_layer_ids"])
 
 
 # ---------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class Evaluation:
     checkpoint: str
     contract_problems: list[str] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # recipe, fingerprint, target, prompt ids, max_new_tokens
+    # sha256 of the checkpoint measured (draftflow.models.speculators.checkpoint_digest): publishing
+    # refuses a folder whose bytes differ from what this report is about.
+    checkpoint_digest: str | None = None
 
     @property
     def tau(self) -> float:
@@ -128,6 +131,7 @@ class Evaluation:
     def to_dict(self) -> dict:
         return {
             "checkpoint": self.checkpoint,
+            "checkpoint_digest": self.checkpoint_digest,
             "offline": self.offline.to_dict() if self.offline else None,
             "vllm": self.vllm.to_dict() if self.vllm else None,
             "tau": self.tau,
@@ -151,6 +155,7 @@ class Evaluation:
             checkpoint=data["checkpoint"],
             contract_problems=list(data.get("contract_problems") or []),
             meta=dict(data.get("meta") or {}),
+            checkpoint_digest=data.get("checkpoint_digest"),
         )
 
     def markdown(self) -> str:
@@ -220,12 +225,14 @@ def acceptance_chart(reports: list[AcceptanceReport], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     width = 0.8 / max(1, len(reports))
     for j, r in enumerate(reports):
         xs = [i + 1 + (j - (len(reports) - 1) / 2) * width for i in range(r.draft_length)]
         ax.bar(xs, r.per_position, width=width, label=f"{r.source} (τ={r.mean_acceptance_length:.2f})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # draft positions are 1, 2, ... k
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (prefix accepted)")
     ax.set_ylim(0, 1)

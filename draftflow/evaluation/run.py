@@ -23,10 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import fsspec
+
+from draftflow.data.chat import load_chat_encoder
+from draftflow.data.dataset import eval_prompts
 from draftflow.evaluation.contract import ContractError, check_contract
 from draftflow.evaluation.in_vllm import LaunchServerFactory, ServerFactory, VLLMResult, evaluate_in_vllm
 from draftflow.evaluation.offline import OfflineResult, evaluate_offline
 from draftflow.evaluation.report import Evaluation
+from draftflow.models import algorithm_class, speculators
 from draftflow.paths import RunLayout
 from draftflow.plan import Plan
 
@@ -62,8 +67,6 @@ def write_evaluation(evaluation: Evaluation, out_dir: str) -> dict[str, str]:
     if "://" not in out_dir or out_dir.startswith("file://"):
         local = Path(out_dir.removeprefix("file://"))
         return {k: str(v) for k, v in evaluation.write(local).items()}
-    import fsspec
-
     fs, root = fsspec.core.url_to_fs(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         paths = evaluation.write(Path(tmp))
@@ -85,7 +88,8 @@ def evaluate_prompts(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
     checkpoint = str(checkpoint_dir)
     problems = check_contract(checkpoint, target_info, verifier=target, fingerprint=fingerprint)
     evaluation = Evaluation(None, None, min_acceptance_length, agreement_tolerance, checkpoint,
-                            contract_problems=problems, meta=dict(meta or {}, max_new_tokens=max_new_tokens))
+                            contract_problems=problems, meta=dict(meta or {}, max_new_tokens=max_new_tokens),
+                            checkpoint_digest=speculators.checkpoint_digest(checkpoint))
     run = EvalRun(evaluation)
     if problems and strict_contract:
         if out_dir is not None:
@@ -117,17 +121,12 @@ def evaluate_prompts(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
 
 def known_vllm_issue(checkpoint_dir: str | Path, device: str) -> str | None:
     """A defect of the vLLM build that makes its acceptance differ from the simulator's."""
-    from draftflow.models.speculators import read_config
-
     try:
-        config = read_config(checkpoint_dir)
-    except (OSError, ValueError):  # the contract check reports an unreadable folder
+        config = speculators.read_config(checkpoint_dir)
+        kind = algorithm_class(speculators.model_type(config))
+    except (OSError, ValueError):  # the contract check reports an unreadable folder or an unknown kind
         return None
-    layers = int((config.get("transformer_layer_config") or {}).get("num_hidden_layers", 1))
-    if device == "cpu" and config.get("speculators_model_type") == "dflash" and layers > 1:
-        return (f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash (its rms_norm "
-                "kernel applies layer 0's k_norm weights to every layer); output stays lossless, acceptance drops")
-    return None
+    return kind.known_serving_issue(config, device)
 
 
 def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict | None = None,
@@ -138,8 +137,6 @@ def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict 
     A prompt whose length plus ``evaluation.max_new_tokens`` exceeds ``max_total_tokens`` (the
     server's max_model_len) is dropped and counted.
     """
-    from draftflow.data.dataset import eval_prompts
-
     names, ids, dropped = [], [], 0
     for prompt in eval_prompts(plan.data, limit=limit, storage_options=storage_options):
         tokens = encoder.prompt_ids(prompt.messages)
@@ -168,9 +165,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str |
             raise EvaluationError("evaluation in vLLM starts its own server (target + this drafter): the recipe "
                                   "needs vllm.launch settings, or pass --no-vllm")
         log_dir = None if "://" in out else out
-        server_factory = LaunchServerFactory.from_recipe(launch, log_dir=log_dir)
-    from draftflow.data.chat import load_chat_encoder
-
+        server_factory = LaunchServerFactory(launch, log_dir=log_dir)
     encoder = load_chat_encoder(plan.recipe.target)
     max_total = launch.max_model_len if in_vllm and launch is not None else None
     names, prompts, dropped = load_eval_prompts(plan, encoder, limit=ev.num_prompts, storage_options=storage_options,

@@ -8,16 +8,16 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import is_prepared
 from draftflow.data.prepare import aprepare
-from draftflow.data.regenerate import run_coroutine
+from draftflow.async_run import run_coroutine
 from draftflow.extraction.progress import ExtractionProgress, ExtractionSummary, ProgressTracker
 from draftflow.extraction.samples import train_set
 from draftflow.extraction.shards import ShardResult, extract_shard, make_client
 from draftflow.plan import Plan
+from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.recipe.fingerprint import fingerprint_inputs
 from draftflow.store import PlannedShard, Store, reconcile
 from draftflow.vllm.client import VLLMClient
@@ -34,7 +34,7 @@ def run_extraction(
     storage_options: dict | None = None,
     endpoints: Sequence[str] | None = None,
     api_key: str | None = None,
-    launch: Any = _RECIPE,
+    launch: VLLMLaunchSection | None | object = _RECIPE,
     progress: Callable[[ExtractionProgress], None] | None = None,
     verify: bool = True,
     shards_in_flight: int | None = None,

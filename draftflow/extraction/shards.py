@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from draftflow import paths
-from draftflow.data.regenerate import run_coroutine
+from draftflow.async_run import run_coroutine
 from draftflow.extraction.faults import injected_fault
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
 from draftflow.plan import Plan

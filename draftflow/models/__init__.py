@@ -1,30 +1,74 @@
 """Drafter models (plain PyTorch), their losses, draft vocabularies and checkpoints.
 
-Each drafter is a subpackage with the same files: ``config`` (dataclass), ``model``
-(architecture + loss), ``attention`` (who sees what), ``checkpoint`` (speculators-format
-export/load). :data:`ALGORITHMS` maps the ``speculators_model_type`` / recipe ``kind`` to
-the subpackage; :func:`load_drafter` rebuilds any exported folder.
+Each drafter kind is a subpackage (``config``, ``model``, ``attention``, ``checkpoint``,
+``algorithm``) whose :class:`~draftflow.models.algorithm.DrafterAlgorithm` subclass is the
+only thing the rest of draftflow talks to. :data:`ALGORITHMS` maps the recipe's
+``drafter.kind`` (= ``speculators_model_type``) to that class: adding a kind is one folder
+plus one line here (and its recipe section in ``draftflow/recipe/schema.py``).
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from types import ModuleType
 
-ALGORITHMS = ("dflash", "eagle3")
+from draftflow.recipe.schema import DRAFTER_SECTIONS, register_drafter_section
+
+ALGORITHMS: dict[str, str] = {
+    "dflash": "draftflow.models.dflash.algorithm:DFlash",
+    "eagle3": "draftflow.models.eagle3.algorithm:Eagle3",
+}
+_REGISTERED: dict[str, type] = {}
 
 
-def algorithm(name: str) -> ModuleType:
-    """The drafter subpackage for ``name`` ("dflash" | "eagle3")."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(ALGORITHMS)}")
-    return importlib.import_module(f"draftflow.models.{name}")
+def register(cls: type, section: type | None = None) -> None:
+    """Add a drafter kind at run time (a plugin, or a test's toy kind); ``section``: its recipe section."""
+    _REGISTERED[cls.kind] = cls
+    if section is not None:
+        register_drafter_section(section)
+
+
+def unregister(kind: str) -> None:
+    """Undo :func:`register` (a test's toy kind must not leak into later tests)."""
+    _REGISTERED.pop(kind, None)
+    if kind in DRAFTER_SECTIONS and kind not in ALGORITHMS:
+        register_drafter_section(DRAFTER_SECTIONS.pop(kind), remove=True)
+
+
+def kinds() -> list[str]:
+    return sorted(set(ALGORITHMS) | set(_REGISTERED))
+
+
+def algorithm_class(kind: str | None):
+    """The :class:`~draftflow.models.algorithm.DrafterAlgorithm` subclass of ``kind``."""
+    if kind in _REGISTERED:
+        return _REGISTERED[kind]
+    if kind not in ALGORITHMS:
+        raise ValueError(f"unknown drafter kind {kind!r}; known: {', '.join(kinds())}")
+    module, name = ALGORITHMS[kind].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def load_drafter(folder: str | Path, *, target: str | Path | None = None, **kwargs):
-    """Rebuild the drafter exported in ``folder`` (DFlash or Eagle3, from its config.json)."""
-    from draftflow.models.speculators import read_config
+    """The drafter exported in ``folder``, of the kind its config.json names (an algorithm object)."""
+    from draftflow.models.speculators import model_type, read_config  # torch: not at package import
 
-    kind = read_config(folder).get("speculators_model_type")
-    return algorithm(kind).checkpoint.load(folder, target=target, **kwargs)
+    return algorithm_class(model_type(read_config(folder))).load(folder, target=target, **kwargs)
+
+
+def checkpoint_info(folder: str | Path) -> dict:
+    """kind, aux layer ids (ascending, as vLLM uses them), speculative tokens and verifier of a folder."""
+    from draftflow.models import speculators  # torch: not at package import
+
+    config = speculators.read_config(folder)
+    kind = speculators.model_type(config)
+    try:
+        key = algorithm_class(kind).aux_layer_ids_key
+    except ValueError:
+        raise ValueError(f"{folder}: unknown speculators_model_type {kind!r}") from None
+    return {
+        "kind": kind,
+        "aux_layer_ids": sorted(int(i) for i in config[key]),
+        "speculative_tokens": speculators.speculative_tokens(config),
+        "verifier": speculators.verifier(config),
+    }

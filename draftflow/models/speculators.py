@@ -16,13 +16,16 @@ the draft vocab equals the target's and would reject them. ``embed_tokens`` is o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS
+from draftflow.models.target_weights import load_embeddings
+from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE
 
 SPECULATORS_FORMAT_VERSION = "0.9.0"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +58,36 @@ def layer_config(*, model_type: str, vocab_size: int, hidden_size: int, intermed
         "hidden_act": "silu", "rms_norm_eps": rms_norm_eps, "max_position_embeddings": max_position_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, **extra,
+    }
+
+
+def shared_layer_config(cfg, *, model_type: str, num_layers: int, **extra) -> dict:
+    """:func:`layer_config` from a drafter config dataclass with the fields both kinds share."""
+    return layer_config(
+        model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings, **extra,
+    )
+
+
+def shared_config_fields(config: dict) -> dict:
+    """The drafter config fields both kinds read back from ``config.json`` (the inverse of
+    :func:`shared_layer_config` plus ``draft_vocab_size``)."""
+    layer = config["transformer_layer_config"]
+    vocab = int(layer["vocab_size"])
+    return {
+        "hidden_size": int(layer["hidden_size"]),
+        "intermediate_size": int(layer["intermediate_size"]),
+        "num_heads": int(layer["num_attention_heads"]),
+        "num_kv_heads": int(layer["num_key_value_heads"]),
+        "head_dim": int(layer.get("head_dim")
+                        or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
+        "vocab_size": vocab,
+        "draft_vocab_size": int(config.get("draft_vocab_size") or vocab),
+        "rms_norm_eps": float(layer["rms_norm_eps"]),
+        "rope_theta": float(layer["rope_parameters"]["rope_theta"]),
+        "max_position_embeddings": int(layer["max_position_embeddings"]),
     }
 
 
@@ -98,8 +131,6 @@ def export_weights(state: dict[str, Tensor], *, dtype: torch.dtype, identity_voc
 
 
 def write_folder(out_dir: str | Path, config: dict, tensors: dict[str, Tensor]) -> Path:
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / EXPORT_WEIGHTS), metadata={"format": "pt"})
@@ -115,9 +146,43 @@ def read_config(folder: str | Path, expected_type: str | None = None) -> dict:
     return config
 
 
-def read_folder(folder: str | Path, expected_type: str) -> tuple[dict, dict[str, Tensor]]:
-    from safetensors.torch import load_file
+def checkpoint_digest(folder: str | Path) -> str:
+    """sha256 over what a checkpoint *is*: the files vLLM reads and the training record.
 
+    An evaluation report records it, and publishing refuses a folder whose digest differs
+    (the report measured other bytes). Files published beside them (card, chart) are not part of it.
+    """
+    h = hashlib.sha256()
+    for name in (EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE):
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        h.update(name.encode() + b"\0")
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def model_type(config: dict) -> str | None:
+    """The drafter kind a config.json declares (``speculators_model_type``)."""
+    return config.get("speculators_model_type")
+
+
+def speculative_tokens(config: dict) -> int | None:
+    """The draft length vLLM uses: ``speculators_config.proposal_methods[0].speculative_tokens``."""
+    try:
+        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def verifier(config: dict) -> str | None:
+    """The target model the drafter was exported for (``speculators_config.verifier.name_or_path``)."""
+    return ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+
+
+def read_folder(folder: str | Path, expected_type: str) -> tuple[dict, dict[str, Tensor]]:
     return read_config(folder, expected_type), load_file(str(Path(folder) / EXPORT_WEIGHTS))
 
 
@@ -127,11 +192,9 @@ def torch_dtype(config: dict) -> torch.dtype:
 
 def fill_missing(tensors: dict[str, Tensor], config: dict, target: str | Path | None) -> dict[str, Tensor]:
     """Add embed_tokens from the verifier (as vLLM does) and an identity vocab when absent."""
-    from draftflow.models.target_weights import load_embeddings
-
     out = dict(tensors)
     if "embed_tokens.weight" not in out:
-        out["embed_tokens.weight"] = load_embeddings(target or config["speculators_config"]["verifier"]["name_or_path"])
+        out["embed_tokens.weight"] = load_embeddings(target or verifier(config))
     vocab = int(config["transformer_layer_config"]["vocab_size"])
     if "d2t" not in out:
         out["d2t"] = torch.zeros(vocab, dtype=torch.long)

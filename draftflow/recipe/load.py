@@ -7,6 +7,7 @@ so a user who forked a recipe sees at once what to fix.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from draftflow.recipe.schema import Recipe
+from draftflow.recipe.schema import DRAFTER_SECTIONS, Recipe
 
 
 class RecipeError(ValueError):
@@ -51,8 +52,6 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     """Return a copy of ``data`` with each dotted override set (validated later, like the file)."""
-    import copy
-
     out = copy.deepcopy(data)
     for item in overrides:
         path, value = parse_override(item)
@@ -84,7 +83,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
 
 def _is_union_tag(part: object) -> bool:
     # pydantic puts the discriminator value ("dflash") in the location of union members.
-    return part in ("dflash", "eagle3")
+    return part in DRAFTER_SECTIONS
 
 
 def read_yaml(path: str | Path) -> dict:

@@ -11,9 +11,10 @@ not be readable (a hub id on an offline machine).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 
@@ -166,7 +167,16 @@ class Eagle3Section(Section):
     )
 
 
-Drafter = Annotated[DFlashSection | Eagle3Section, Field(discriminator="kind")]
+DRAFTER_SECTIONS: dict[str, type[Section]] = {"dflash": DFlashSection, "eagle3": Eagle3Section}
+
+
+def _drafter_union():
+    """The recipe's ``drafter`` field: one section per kind, told apart by ``kind``."""
+    sections = tuple(DRAFTER_SECTIONS.values())
+    return Annotated[Union[sections], Field(discriminator="kind")]  # noqa: UP007 (built at run time)
+
+
+Drafter = _drafter_union()
 
 
 class TrainingSection(Section):
@@ -270,3 +280,15 @@ def _check_layer_list(ids: list[int], field: str) -> None:
         raise ValueError(f"{field} {ids} has duplicates")
     if ids != sorted(ids):
         raise ValueError(f"{field} {ids} must be sorted ascending")
+
+
+def register_drafter_section(section: type[Section], *, remove: bool = False) -> None:
+    """Accept (or, with ``remove``, no longer accept) another drafter kind in recipes: its section
+    declares ``kind: Literal[...]`` and its defaults. Used by :func:`draftflow.models.register`."""
+    kind = section.model_fields["kind"].annotation.__args__[0]
+    if remove:
+        DRAFTER_SECTIONS.pop(kind, None)
+    else:
+        DRAFTER_SECTIONS[kind] = section
+    Recipe.model_fields["drafter"] = FieldInfo.from_annotation(_drafter_union())
+    Recipe.model_rebuild(force=True)

@@ -22,8 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-RESULT_PREFIX = "DRAFTFLOW_RESULT "
-EXIT_INTERRUPTED = 143
+from draftflow.train import EXIT_INTERRUPTED, RESULT_PREFIX
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

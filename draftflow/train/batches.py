@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from draftflow.models.common import PackedBatch
+from draftflow.sample_source import Prefetcher
 from draftflow.train.packing import Item, epoch_order, global_steps, pack, rank_share
 
 
@@ -125,8 +126,6 @@ class StepLoader:
         return RankBatch(epoch, step_idx, packs, indices, sum(i.num_tokens for p in mine for i in p))
 
     def __iter__(self) -> Iterator[RankBatch]:
-        from draftflow.sample_source import Prefetcher
-
         prefetcher = Prefetcher(self._load, self._steps(), depth=self.depth)
         counted = 0.0
         for batch in prefetcher:

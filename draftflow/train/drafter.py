@@ -1,7 +1,7 @@
 """The drafter a recipe asks for: built from the target, trained by one loss, exported.
 
-This is the only trainer module that knows the two algorithms apart; the loop sees a
-model and a loss function.
+The drafter kind's algorithm object (:mod:`draftflow.models`) does the kind-specific work;
+the loop sees a model and a loss function.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ import torch
 import yaml
 from torch import nn
 
-from draftflow.models import algorithm
+from draftflow.data.dataset import load_token_counts
+from draftflow.models import algorithm_class
+from draftflow.models.algorithm import DrafterAlgorithm
 from draftflow.models.common import PackedBatch
 from draftflow.models.losses import LossOutput
-from draftflow.models.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
+from draftflow.models.provenance import write_provenance
+from draftflow.models.target_weights import TargetHead
+from draftflow.models.vocab import (DraftVocab, build_draft_vocab, counts_tensor, load_draft_vocab,
+                                    save_draft_vocab)
 from draftflow.paths import EXPORT_COMMAND, EXPORT_RECIPE
 from draftflow.plan import Plan
 from draftflow.train.batches import LayerSelection
@@ -36,6 +41,7 @@ class DrafterSetup:
     with_last: bool
     vocab: DraftVocab | None
     mask_token_id: int | None
+    algorithm: DrafterAlgorithm
 
 
 def layer_selection(plan: Plan) -> LayerSelection:
@@ -49,9 +55,6 @@ def layer_selection(plan: Plan) -> LayerSelection:
 
 def draft_vocab(plan: Plan, *, storage_options: dict | None = None, write_cache: bool = True) -> DraftVocab | None:
     """The top-k vocabulary over loss-masked train tokens, cached per size and data fingerprint."""
-    from draftflow.data.dataset import load_token_counts
-    from draftflow.models.vocab import counts_tensor
-
     size = plan.recipe.drafter.draft_vocab_size
     if size is None or size >= plan.target.vocab_size:
         return None
@@ -68,82 +71,45 @@ def draft_vocab(plan: Plan, *, storage_options: dict | None = None, write_cache:
     return vocab
 
 
-def mask_token(plan: Plan) -> int:
-    from transformers import AutoTokenizer
-
-    from draftflow.models.dflash.config import resolve_mask_token_id
-
-    override = plan.recipe.drafter.mask_token_id
-    if override is not None:
-        return override
-    tokenizer = AutoTokenizer.from_pretrained(plan.target_model, revision=plan.recipe.target.revision)
-    return resolve_mask_token_id(tokenizer)
-
-
 def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = True) -> DrafterSetup:
-    spec = plan.recipe.drafter
     training = plan.recipe.training
     layers = layer_selection(plan)
     with_last = training.loss == "target_logits"
     vocab = draft_vocab(plan, storage_options=storage_options, write_cache=is_main)
-    head = None
-    if with_last:
-        from draftflow.models.target_weights import TargetHead
-
-        head = TargetHead.from_pretrained(plan.target_model, vocab)
+    head = TargetHead.from_pretrained(plan.target_model, vocab) if with_last else None
     # Every rank must start from the same weights: seed the initialisation itself.
     torch.manual_seed(training.seed)
-    if spec.kind == "dflash":
-        mod = algorithm("dflash")
-        mask = mask_token(plan)
-        model = mod.model.DFlashDrafter.from_target(
-            plan.target_model, num_layers=spec.num_layers, block_size=spec.block_size, mask_token_id=mask,
-            num_context_layers=len(layers.context), vocab=vocab,
-        )
-        model.checkpoint_layers = spec.activation_checkpointing
+    drafter = algorithm_class(plan.recipe.drafter.kind).build(
+        plan.recipe, plan.target_model, num_context_layers=len(layers.context), vocab=vocab, target_head=head)
 
-        def loss_fn(m, batch, generator):
-            return mod.model.dflash_loss(m, batch, max_anchors=spec.max_anchors, gamma=spec.decay_gamma,
-                                         loss=training.loss, target_head=head, generator=generator)
-    else:
-        mod = algorithm("eagle3")
-        mask = None
-        model = mod.model.Eagle3Drafter.from_target(plan.target_model, num_aux_layers=len(layers.context), vocab=vocab)
+    def loss_fn(model, batch, generator):
+        return drafter.loss(batch, generator)  # ``model`` is drafter.model, moved to the device in place
 
-        def loss_fn(m, batch, generator):
-            return mod.model.eagle3_loss(m, batch, steps=spec.ttt_steps, decay=spec.ttt_decay,
-                                         loss=training.loss, target_head=head)
-    return DrafterSetup(model, loss_fn, layers, with_last, vocab, mask)
+    return DrafterSetup(drafter.model, loss_fn, layers, with_last, vocab, drafter.mask_token_id, drafter)
 
 
 def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: list[str] | None = None) -> Path:
     """The speculators folder vLLM serves, plus the resolved recipe, command and provenance."""
-    from draftflow.evaluation.contract import write_provenance
-
-    spec = plan.recipe.drafter
     out = Path(out_dir)
-    kind = algorithm(spec.kind)
-    extra = {"speculative_tokens": spec.speculative_tokens} if spec.kind == "eagle3" else {}
-    kind.checkpoint.export(
-        setup.model, out, verifier_name_or_path=plan.target_model,
-        verifier_architectures=list(plan.target.architectures), aux_layer_ids=list(plan.context_layer_ids), **extra,
-    )
+    drafter = setup.algorithm
+    drafter.export(out, verifier_name_or_path=plan.target_model,
+                   verifier_architectures=list(plan.target.architectures),
+                   aux_layer_ids=list(plan.context_layer_ids))
     (out / EXPORT_RECIPE).write_text(yaml.safe_dump(json.loads(plan.recipe.model_dump_json()), sort_keys=False))
     (out / EXPORT_COMMAND).write_text(shlex.join(command or [sys.executable, "-m", "draftflow.train",
                                                              plan.recipe_path, *sum((["--set", o] for o in plan.overrides), [])]) + "\n")
-    d2t = setup.model.d2t if setup.vocab is not None else None
     write_provenance(
         out,
         recipe_name=plan.recipe.name,
         fingerprint=plan.fingerprint,
-        drafter=spec.kind,
+        drafter=drafter.kind,
         verifier=plan.target_model,
         extracted_layer_ids=list(plan.layer_ids),
         aux_layer_ids=list(plan.context_layer_ids),
-        mask_token_id=setup.mask_token_id,
+        mask_token_id=drafter.mask_token_id,
         draft_vocab_size=setup.vocab.draft_vocab_size if setup.vocab is not None else None,
-        d2t=d2t,
-        speculative_tokens=spec.speculative_tokens,
+        d2t=drafter.model.d2t if setup.vocab is not None else None,
+        speculative_tokens=drafter.speculative_tokens,
         target_hidden_size=plan.target.hidden_size,
         target_vocab_size=plan.target.vocab_size,
     )

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import httpx
 
+from draftflow.recipe.load import expand
+from draftflow.recipe.schema import VLLMLaunchSection
+
 log = logging.getLogger(__name__)
 
 # Our CPU hidden-state connector lives in this package; the server imports it by module path.
@@ -42,10 +45,10 @@ class LaunchSpec:
     python: str
     model: str
     port: int
+    device: str  # the recipe's vllm.launch.device (no default here: the schema holds it)
+    max_model_len: int  # likewise vllm.launch.max_model_len
     host: str = "127.0.0.1"
-    device: str = "cpu"
     dtype: str = "auto"
-    max_model_len: int = 1024
     extract_layer_ids: list[int] | None = None
     staging_dir: str | None = None
     speculative_config: dict | None = None
@@ -57,6 +60,14 @@ class LaunchSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def from_section(cls, launch: VLLMLaunchSection, *, model: str, port: int, **fields) -> LaunchSpec:
+        """A server for ``model`` with the recipe's launch settings (python, device,
+        max_model_len, extra_args, env); ``fields``: the rest (host, dtype, staging, log, ...)."""
+        return cls(python=expand(launch.python), model=model, port=port, device=launch.device,
+                   max_model_len=launch.max_model_len, extra_args=list(launch.extra_args),
+                   env=dict(launch.env), **fields)
 
 
 def extraction_flags(layer_ids: list[int], staging_dir: str, device: str) -> list[str]:

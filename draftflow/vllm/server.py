@@ -18,7 +18,7 @@ import atexit
 import logging
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from draftflow.recipe.load import default_home, expand
+from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm.client import (
     ExtractionNotEnabled,
     VLLMClient,
@@ -97,7 +98,7 @@ def ensure_running(
     layer_ids: Sequence[int],
     hidden_size: int,
     api_key: str | None = None,
-    launch: Any | None = None,
+    launch: VLLMLaunchSection | None = None,
     dtype: str = "auto",
     log_dir: str | Path | None = None,
     probe_token_ids: Sequence[int] = DEFAULT_PROBE_TOKENS,
@@ -106,9 +107,8 @@ def ensure_running(
 ) -> ServerHandle:
     """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
 
-    `launch` has the shape of the recipe's ``vllm.launch`` section (the pydantic object or a
-    mapping with python, device, max_model_len, staging_dir, extra_args, env,
-    startup_timeout_s). `model` is the recipe's target, as the server would be started with it.
+    `launch` is the recipe's (or a VLLMServer block's) ``vllm.launch`` section. `model` is the
+    recipe's target, as the server would be started with it.
     With `strict_layer_ids`, a running server not started here is refused, because its layer
     ids (beyond their count) cannot be verified.
     """
@@ -231,18 +231,12 @@ def check_extraction(
 # Launching
 # ---------------------------------------------------------------------------------------
 
-def _launch_value(launch: Any, key: str, default: Any = None) -> Any:
-    if isinstance(launch, Mapping):
-        return launch.get(key, default)
-    return getattr(launch, key, default)
-
-
 def start_server(
     url: str,
     model: str,
     layer_ids: Sequence[int],
     api_key: str | None,
-    launch: Any,
+    launch: VLLMLaunchSection,
     dtype: str,
     log_dir: str | Path | None,
 ) -> ServerProcess:
@@ -252,24 +246,11 @@ def start_server(
         raise EndpointDown(f"no healthy vLLM server at {url}, and a server can only be launched on this host")
     if parts.port is None:
         raise EndpointDown(f"{url}: give an explicit port to launch a server there")
-    python = _launch_value(launch, "python")
-    if not python:
-        raise ServerCheckError("vllm.launch.python is not set: which virtualenv has vLLM?")
     log_root = Path(log_dir) if log_dir else default_home() / "logs"
     log_path = log_root / f"vllm-{parts.port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    spec = LaunchSpec(
-        python=expand(python),
-        model=model,
-        host=parts.hostname,
-        port=parts.port,
-        device=_launch_value(launch, "device", "cuda"),
-        dtype=dtype,
-        max_model_len=int(_launch_value(launch, "max_model_len", 4096)),
-        extract_layer_ids=list(layer_ids),
-        staging_dir=expand(_launch_value(launch, "staging_dir", "/dev/shm/draftflow-hidden-states")),
-        extra_args=list(_launch_value(launch, "extra_args", None) or []),
-        env=dict(_launch_value(launch, "env", None) or {}),
-        log_path=str(log_path),
+    spec = LaunchSpec.from_section(
+        launch, model=model, host=parts.hostname, port=parts.port, dtype=dtype,
+        extract_layer_ids=list(layer_ids), staging_dir=expand(launch.staging_dir), log_path=str(log_path),
         api_key=api_key,
     )
     if not Path(spec.python).exists():
@@ -277,7 +258,7 @@ def start_server(
     log.info("starting vLLM for %s at %s (log: %s)", model, url, log_path)
     proc = ServerProcess(spec).start()
     try:
-        proc.wait_healthy(float(_launch_value(launch, "startup_timeout_s", 600.0)))
+        proc.wait_healthy(launch.startup_timeout_s)
     except BaseException:
         proc.stop()
         raise

@@ -3,17 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core host, two threads spin against the vLLM server
-    and other processes (a SmolLM2 forward went from ~20 ms to >100 ms)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import torch
 
-from draftflow.evaluation.contract import write_provenance
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash import checkpoint as dflash_ckpt
-from draftflow.models.eagle3 import Eagle3Drafter
-from draftflow.models.eagle3 import checkpoint as eagle3_ckpt
+from draftflow.models.dflash import DFlash, DFlashDrafter
+from draftflow.models.eagle3 import Eagle3, Eagle3Drafter
+from draftflow.models.provenance import write_provenance
 from draftflow.models.vocab import DraftVocab
 from draftflow.target import read_target_info
 
@@ -82,8 +80,8 @@ def dflash_checkpoint(target: Path, out: Path, *, fixed_token: int | None = None
     model = DFlashDrafter.from_target(target, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
                                       num_context_layers=len(aux), vocab=_vocab(target, fixed_token, draft_vocab_size))
     model = _always_fixed(perturb(model, seed), fixed_token)
-    folder = dflash_ckpt.export(model, out, verifier_name_or_path=str(target),
-                                verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux)
+    folder = DFlash(model).export(out, verifier_name_or_path=str(target),
+                                  verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux)
     provenance(folder, model, kind="dflash", target=target, speculative_tokens=block_size - 1,
                mask_token_id=mask_token_id, fingerprint=fingerprint)
     return folder
@@ -96,9 +94,8 @@ def eagle3_checkpoint(target: Path, out: Path, *, fixed_token: int | None = None
     model = Eagle3Drafter.from_target(target, num_aux_layers=len(aux),
                                       vocab=_vocab(target, fixed_token, draft_vocab_size))
     model = _always_fixed(perturb(model, seed), fixed_token)
-    folder = eagle3_ckpt.export(model, out, verifier_name_or_path=str(target),
-                                verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux,
-                                speculative_tokens=speculative_tokens)
+    folder = Eagle3(model, speculative_tokens=speculative_tokens).export(
+        out, verifier_name_or_path=str(target), verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux)
     provenance(folder, model, kind="eagle3", target=target, speculative_tokens=speculative_tokens,
                fingerprint=fingerprint)
     return folder

@@ -10,10 +10,9 @@ import torch
 from known_drafters import dflash_checkpoint, eagle3_checkpoint
 from safetensors.torch import load_file, save_file
 
-from draftflow.evaluation.contract import (
-    PROVENANCE, ContractError, assert_contract, check_contract, d2t_digest, read_provenance, write_provenance,
-)
-from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS
+from draftflow.evaluation.contract import ContractError, assert_contract, check_contract
+from draftflow.models.provenance import d2t_digest, read_provenance, write_provenance
+from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE
 from draftflow.target import read_target_info
 
 

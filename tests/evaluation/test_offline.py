@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from known_drafters import dflash_checkpoint, eagle3_checkpoint
+from proposers import AlwaysWrongProposer, OracleProposer
 
 from draftflow.evaluation.offline import (
-    AlwaysWrongProposer, LosslessError, OracleProposer, TargetRunner, check_same_as_greedy, evaluate_offline,
-    greedy_generate, simulate,
+    LosslessError, TargetRunner, check_same_as_greedy, evaluate_offline, greedy_generate, simulate,
 )
 
 pytestmark = pytest.mark.slow

@@ -57,16 +57,6 @@ def make_synthetic(target_dir, rows: int = 2, t: int = 64, docs: int = 2, seed: 
     return Synthetic(batch, vocab, out.logits, str(target_dir))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread is faster, and on a shared 2-core host two
-    threads spin against other processes (measured 0.5 s vs 9 s for the Eagle3 overfit)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def synthetic(tiny_llama_dir) -> Synthetic:
     return make_synthetic(tiny_llama_dir)

@@ -15,10 +15,8 @@ import torch
 from safetensors import safe_open
 
 from draftflow.models import load_drafter
-from draftflow.models.dflash import DFlashDrafter, dflash_loss, sample_anchors
-from draftflow.models.dflash import checkpoint as dflash_ckpt
-from draftflow.models.eagle3 import Eagle3Drafter
-from draftflow.models.eagle3 import checkpoint as eagle3_ckpt
+from draftflow.models.dflash import DFlash, DFlashDrafter, dflash_loss, sample_anchors
+from draftflow.models.eagle3 import Eagle3, Eagle3Drafter
 from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS
 
 AUX = [1, 2, 3]
@@ -100,8 +98,8 @@ def eagle3_outputs(model, batch):
 
 def test_dflash_export_file_contract(synthetic, tmp_path):
     model = dflash_model(synthetic)
-    folder = dflash_ckpt.export(model, tmp_path / "d", verifier_name_or_path=synthetic.target_dir,
-                                verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX)
+    folder = DFlash(model).export(tmp_path / "d", verifier_name_or_path=synthetic.target_dir,
+                                  verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX)
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     for key in REQUIRED_ALWAYS + REQUIRED_DFLASH:
         assert key in cfg, key
@@ -122,8 +120,9 @@ def test_dflash_export_file_contract(synthetic, tmp_path):
 
 def test_eagle3_export_file_contract(synthetic, tmp_path):
     model = eagle3_model(synthetic, norm_before_residual=False)
-    folder = eagle3_ckpt.export(model, tmp_path / "e", verifier_name_or_path=synthetic.target_dir,
-                                verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX, speculative_tokens=5)
+    folder = Eagle3(model, speculative_tokens=5).export(
+        tmp_path / "e", verifier_name_or_path=synthetic.target_dir, verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX)
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     for key in REQUIRED_ALWAYS + REQUIRED_EAGLE3:
         assert key in cfg, key
@@ -140,13 +139,13 @@ def test_eagle3_export_file_contract(synthetic, tmp_path):
 
 def test_identity_vocab_ships_no_mapping_and_embeddings_are_optional(synthetic, tmp_path):
     model = dflash_model(synthetic, layers=1, vocab="identity")
-    folder = dflash_ckpt.export(model, tmp_path / "d", verifier_name_or_path=synthetic.target_dir,
-                                verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX,
-                                include_embeddings=True)
+    folder = DFlash(model).export(tmp_path / "d", verifier_name_or_path=synthetic.target_dir,
+                                  verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX,
+                                  include_embeddings=True)
     weights = weights_of(folder)
     assert "d2t" not in weights and "t2d" not in weights and weights["lm_head.weight"][0] == (49152, 64)
     assert weights["embed_tokens.weight"][0] == (49152, 64)
-    loaded = dflash_ckpt.load(folder)
+    loaded = DFlash.load(folder).model
     assert loaded.vocab.is_identity
     torch.testing.assert_close(loaded.embed_tokens.weight, model.embed_tokens.weight, rtol=0, atol=0)
 
@@ -155,22 +154,24 @@ def test_identity_vocab_ships_no_mapping_and_embeddings_are_optional(synthetic, 
 def test_export_load_roundtrip_gives_identical_outputs(synthetic, tmp_path, kind):
     batch = synthetic.batch
     if kind == "dflash":
-        model, export, outputs = dflash_model(synthetic), dflash_ckpt.export, dflash_outputs
-        extra = {}
+        model, outputs = dflash_model(synthetic), dflash_outputs
+        drafter = DFlash(model)
     else:
-        model, export, outputs = eagle3_model(synthetic), eagle3_ckpt.export, eagle3_outputs
-        extra = {"speculative_tokens": 3}
-    folder = export(model, tmp_path / kind, verifier_name_or_path=synthetic.target_dir,
-                    verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX, **extra)
-    loaded = load_drafter(folder)  # embeddings come from the verifier named in config.json
+        model, outputs = eagle3_model(synthetic), eagle3_outputs
+        drafter = Eagle3(model, speculative_tokens=3)
+    folder = drafter.export(tmp_path / kind, verifier_name_or_path=synthetic.target_dir,
+                            verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX)
+    reloaded = load_drafter(folder)  # embeddings come from the verifier named in config.json
+    assert type(reloaded) is type(drafter) and reloaded.speculative_tokens == drafter.speculative_tokens
+    loaded = reloaded.model
     assert type(loaded) is type(model) and loaded.config == model.config
     for a, b in zip(outputs(model, batch), outputs(loaded, batch)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # bf16 on disk: the loaded model is the bf16 cast of the original
-    folder16 = export(model, tmp_path / f"{kind}16", verifier_name_or_path=synthetic.target_dir,
-                      verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX, dtype=torch.bfloat16, **extra)
+    folder16 = drafter.export(tmp_path / f"{kind}16", verifier_name_or_path=synthetic.target_dir,
+                              verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX, dtype=torch.bfloat16)
     assert json.loads((folder16 / EXPORT_CONFIG).read_text())["torch_dtype"] == "bfloat16"
-    loaded16 = load_drafter(folder16)
+    loaded16 = load_drafter(folder16).model
     assert loaded16.fc.weight.dtype == torch.bfloat16
     torch.testing.assert_close(loaded16.fc.weight, model.fc.weight.to(torch.bfloat16), rtol=0, atol=0)
 
@@ -179,9 +180,9 @@ def test_export_rejects_layer_ids_vllm_would_reorder_or_miscount(synthetic, tmp_
     model = dflash_model(synthetic, layers=1)
     common = dict(verifier_name_or_path=synthetic.target_dir, verifier_architectures=["LlamaForCausalLM"])
     with pytest.raises(ValueError, match="ascending"):
-        dflash_ckpt.export(model, tmp_path / "a", aux_layer_ids=[3, 1, 2], **common)
+        DFlash(model).export(tmp_path / "a", aux_layer_ids=[3, 1, 2], **common)
     with pytest.raises(ValueError, match="reads 3"):
-        dflash_ckpt.export(model, tmp_path / "b", aux_layer_ids=[1, 2], **common)
+        DFlash(model).export(tmp_path / "b", aux_layer_ids=[1, 2], **common)
     with pytest.raises(ValueError, match="verifier_name_or_path"):
-        dflash_ckpt.export(model, tmp_path / "c", aux_layer_ids=AUX, verifier_name_or_path="",
-                           verifier_architectures=[])
+        DFlash(model).export(tmp_path / "c", aux_layer_ids=AUX, verifier_name_or_path="",
+                             verifier_architectures=[])

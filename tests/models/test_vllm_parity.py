@@ -19,10 +19,8 @@ import pytest
 import torch
 
 from draftflow.models import load_drafter
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash import checkpoint as dflash_ckpt
-from draftflow.models.eagle3 import Eagle3Drafter
-from draftflow.models.eagle3 import checkpoint as eagle3_ckpt
+from draftflow.models.dflash import DFlash, DFlashDrafter
+from draftflow.models.eagle3 import Eagle3, Eagle3Drafter
 
 REFERENCE = Path(__file__).with_name("vllm_reference.py")
 CASES = {
@@ -49,8 +47,8 @@ def build(case: dict, synthetic, out: Path) -> Path:
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() == 1 else 0.05))
     if case["kind"] == "dflash":
-        return dflash_ckpt.export(model, out, **common)
-    return eagle3_ckpt.export(model, out, speculative_tokens=4, **common)
+        return DFlash(model).export(out, **common)
+    return Eagle3(model, speculative_tokens=4).export(out, **common)
 
 
 @pytest.mark.slow
@@ -68,7 +66,7 @@ def test_proposals_match_vllm(name, synthetic, vllm_python, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     ref = json.loads((tmp_path / "out.json").read_text())
 
-    model = load_drafter(folder).eval()
+    model = load_drafter(folder).model.eval()
     aux = batch.hidden_states[:1, :t]
     next_token = batch.input_ids[:1, t]
     if case["kind"] == "dflash":

@@ -121,6 +121,7 @@ def checkpoint_and_report(target: Path, folder: Path, tau: float, min_tau: float
     from known_drafters import dflash_checkpoint
 
     from draftflow.evaluation.report import AcceptanceReport, Evaluation
+    from draftflow.models.speculators import checkpoint_digest
 
     checkpoint = dflash_checkpoint(target, folder / "checkpoint")
     drafts = 20
@@ -129,6 +130,7 @@ def checkpoint_and_report(target: Path, folder: Path, tau: float, min_tau: float
                                draft_tokens=3 * drafts, accepted_tokens=accepted,
                                accepted_per_position=[min(accepted, drafts), max(accepted - drafts, 0), 0])
     evaluation = Evaluation(offline=offline, vllm=None, min_acceptance_length=min_tau, agreement_tolerance=0.1,
-                            checkpoint=str(checkpoint), meta={"recipe": "prefect-publish"})
+                            checkpoint=str(checkpoint), meta={"recipe": "prefect-publish"},
+                            checkpoint_digest=checkpoint_digest(checkpoint))
     paths = evaluation.write(folder / "eval")
     return str(checkpoint), str(paths["report"])

@@ -48,8 +48,9 @@ def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, 
     assert files == sorted([f"{version_dir}/{f}" for f in local] + [f"{version_dir}/{PUBLISHED_MARKER}"])
     assert {"README.md", "config.json", "model.safetensors", "acceptance.png"} <= set(local)
     card = fs.cat(f"{url.removeprefix('s3://')}/{version_dir}/{MODEL_CARD}").decode()
-    assert "# prefect-publish drafter" in card and "Gate: τ 1.800 vs minimum 1.050: PASS" in card
-    assert "![per-position acceptance](acceptance.png)" in card
+    assert card.startswith("# prefect-publish: a dflash drafter for") and "gate passed: τ 1.800" in card
+    assert first["location"] in card  # served from the published copy
+    assert "![Per-position acceptance](acceptance.png)" in card
 
     second = publish(recipe, checkpoint, report, destination_block=name)
     assert second == {**first, "pushed": False}  # same content hash: nothing written

@@ -15,7 +15,7 @@ from draftflow.evaluation.run import evaluate_prompts
 from draftflow.extraction.samples import train_set
 from draftflow.plan import Plan
 from draftflow.store import Store
-from draftflow.train.__main__ import RESULT_PREFIX
+from draftflow.train import RESULT_PREFIX
 
 pytestmark = pytest.mark.slow
 EOS = 2

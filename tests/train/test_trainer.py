@@ -17,7 +17,7 @@ from draftflow.paths import CHECKPOINT_COMPLETE, EXPORT_COMMAND, EXPORT_CONFIG, 
 from draftflow.plan import Plan
 from draftflow.sample_source import open_source
 from draftflow.train import drafter
-from draftflow.train.__main__ import EXIT_INTERRUPTED, RESULT_PREFIX
+from draftflow.train import EXIT_INTERRUPTED, RESULT_PREFIX
 from draftflow.train.batches import collate
 from draftflow.train.metrics import parse_line
 

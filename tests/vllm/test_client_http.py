@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from draftflow.vllm.client import EndpointUnavailable, RequestFailed, VLLMClient
+from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm.launch import free_port
 from draftflow.vllm.server import EndpointDown, ensure_running
 
@@ -141,5 +142,5 @@ def test_launch_is_refused_for_a_remote_host():
     with pytest.raises(EndpointDown, match="only be launched on this host"):
         ensure_running(
             "http://10.255.255.1:8000", model="m", layer_ids=[1], hidden_size=8, health_timeout_s=1,
-            launch={"python": "/bin/false", "device": "cpu"},
+            launch=VLLMLaunchSection(python="/bin/false", device="cpu"),
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from draftflow.models.target_weights import rope_theta
+
 
 @dataclass
 class DFlashConfig:
@@ -51,8 +53,6 @@ class DFlashConfig:
         draft_vocab_size: int | None = None,
     ) -> DFlashConfig:
         """Decoder-layer shapes copied from the target (as in the published DFlash drafters)."""
-        from draftflow.models.target_weights import rope_theta
-
         hidden = int(target_config["hidden_size"])
         heads = int(target_config["num_attention_heads"])
         vocab = int(target_config["vocab_size"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from draftflow.models.target_weights import rope_theta
+
 
 @dataclass
 class Eagle3Config:
@@ -33,8 +35,6 @@ class Eagle3Config:
     @classmethod
     def from_target(cls, target_config: dict, *, num_aux_layers: int, draft_vocab_size: int | None = None,
                     norm_before_residual: bool = True, freeze_lm_head: bool = False) -> Eagle3Config:
-        from draftflow.models.target_weights import rope_theta
-
         hidden = int(target_config["hidden_size"])
         heads = int(target_config["num_attention_heads"])
         vocab = int(target_config["vocab_size"])

@@ -1,0 +1,151 @@
+"""The model card (README.md) of a published drafter, written for the person who finds it on the Hub.
+
+It names the verifier as the world knows it (a hub id where the recipe has one, never the
+training machine's path), gives the serve command for the *published* copy, the acceptance
+table and chart, the training data, budget and fingerprints. Nothing in it is a local path
+of the machine that trained or evaluated the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from draftflow.evaluation.report import AcceptanceReport, Evaluation
+from draftflow.recipe.schema import Recipe
+
+CHART_FILE = "acceptance.png"
+
+
+@dataclass(frozen=True)
+class Verifier:
+    name: str  # hub id, or the folder name of a local copy
+    is_hub_id: bool
+    revision: str | None = None
+
+
+def verifier_of(recipe: Recipe) -> Verifier:
+    """The recipe's target as a reader can look it up: its hub id, else the name of its folder."""
+    model = recipe.target.model
+    local = model.startswith(("/", "~", ".", "$")) or "${" in model or Path(model).is_dir()
+    if local:
+        return Verifier(PurePosixPath(model.rstrip("/")).name, False)
+    return Verifier(model, True, recipe.target.revision)
+
+
+def serve_command(location: str, verifier: Verifier, kind: str, speculative_tokens: int,
+                  folder_name: str) -> str:
+    """What to type to serve the published copy at ``location`` (its verifier resolved by vLLM)."""
+    if location.startswith("hf://"):
+        lines, where = [], location.removeprefix("hf://")
+    elif "://" in location and not location.startswith("file://"):
+        protocol = location.split("://", 1)[0]
+        lines = ["# copy the folder first (vLLM reads local folders and hub repos), e.g. with fsspec:",
+                 f"python -c \"import fsspec; fsspec.filesystem('{protocol}').get('{location}', "
+                 f"'{folder_name}', recursive=True)\""]
+        where = f"./{folder_name}"
+    else:
+        lines, where = [], location.removeprefix("file://")
+    if verifier.is_hub_id:
+        lines.append(f"vllm serve {where}")
+    else:  # config.json names the verifier by the trainer's path: pass it explicitly
+        spec = json.dumps({"model": where, "method": kind, "num_speculative_tokens": speculative_tokens})
+        lines += [f"# the verifier was a local folder when trained: point at your copy of {verifier.name}",
+                  f"vllm serve ./{verifier.name} --speculative-config '{spec}'"]
+    return "\n".join(lines)
+
+
+def _acceptance_table(reports: list[AcceptanceReport]) -> list[str]:
+    k = max((r.draft_length for r in reports), default=0)
+    lines = ["| measured in | prompts | drafts | τ (mean acceptance length) | acceptance rate | "
+             + " | ".join(f"position {i + 1}" for i in range(k)) + " |",
+             "|" + "---|" * (5 + k)]
+    for r in reports:
+        where = "vLLM" if r.source == "vllm" else "offline simulator"
+        lines.append(f"| {where} | {r.num_prompts} | {r.drafts} | "
+                     f"{r.mean_acceptance_length:.3f} | {r.acceptance_rate:.3f} | "
+                     + " | ".join(f"{p:.3f}" for p in r.per_position) + " |")
+    return lines
+
+
+def _verdict(evaluation: Evaluation) -> list[str]:
+    lines = []
+    vllm = evaluation.vllm
+    if vllm and vllm.throughput:
+        t = vllm.throughput
+        lines.append(f"- decode speed in vLLM (batch 1): {t['with_drafter_tok_s']:.1f} tok/s with the "
+                     "drafter, "
+                     f"{t['without_drafter_tok_s']:.1f} without (speedup {t['speedup']:.2f}x)")
+    for r in (evaluation.offline, vllm):
+        if r and r.outputs_identical is not None:
+            lines.append(f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the "
+                         "verifier's own greedy output")
+    if evaluation.relative_gap is not None:
+        lines.append(f"- offline vs vLLM τ gap {evaluation.relative_gap:.1%} "
+                     f"(tolerance {evaluation.agreement_tolerance:.1%})")
+    lines.append(f"- gate passed: τ {evaluation.tau:.3f} "
+                 f"(at least {evaluation.min_acceptance_length:.3f} required)")
+    return lines
+
+
+def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
+    data, training, drafter = recipe.data, recipe.training, recipe.drafter
+    size = provenance.get("draft_vocab_size")
+    vocab = f"draft vocabulary of {size} tokens" if size else "the verifier's full vocabulary"
+    sources = ", ".join(
+        s.kind + (f" `{PurePosixPath(s.path.rstrip('/')).name}`" if s.path else "")
+        + (f" (≤ {s.max_samples} conversations)" if s.max_samples else "")
+        for s in data.sources
+    )
+    return [
+        f"- data: {sources}; samples up to {data.max_length} tokens, {data.eval_samples} held out "
+        "for evaluation",
+        f"- budget: {training.epochs} epoch(s), packs of {training.pack_length} tokens × "
+        f"{training.batch_size} per process per step, lr {training.lr:g} ({training.schedule}), "
+        f"loss `{training.loss}`",
+        f"- drafter: `{drafter.kind}`, {provenance.get('speculative_tokens')} speculative tokens, "
+        f"reads verifier layers {provenance.get('aux_layer_ids')}, {vocab}",
+        f"- data fingerprint `{provenance.get('fingerprint')}`; recipe fingerprint "
+        f"`{hashlib.sha256(recipe_text.encode()).hexdigest()[:16]}` (sha256 of `recipe.yaml` in this folder)",
+    ]
+
+
+def render(*, recipe: Recipe, recipe_text: str, provenance: dict, evaluation: Evaluation, location: str,
+           folder_name: str, chart: bool) -> str:
+    """The card's Markdown for the checkpoint published at ``location``."""
+    verifier = verifier_of(recipe)
+    kind, k = provenance["drafter"], int(provenance["speculative_tokens"])
+    shown = f"`{verifier.name}`" + (f" (revision `{verifier.revision}`)" if verifier.revision else "")
+    if not verifier.is_hub_id:
+        shown += " (a local copy when trained; the recipe names no hub id)"
+    reports = [r for r in (evaluation.offline, evaluation.vllm) if r]
+    lines = [
+        f"# {recipe.name}: a {kind} drafter for {verifier.name}",
+        "",
+        f"A speculative-decoding drafter ({kind}, {k} draft tokens per step) for the verifier {shown}, "
+        "trained with draftflow. The folder is in the speculators format that vLLM serves.",
+        "",
+        "## Serve it",
+        "",
+        "```bash",
+        serve_command(location, verifier, kind, k, folder_name),
+        "```",
+        "",
+        "## Acceptance",
+        "",
+        f"Greedy decoding of {reports[0].num_prompts if reports else 0} held-out prompts; τ counts the "
+        "tokens produced per verifier forward pass (1 = no speed-up).",
+        "",
+        *_acceptance_table(reports),
+        "",
+        *_verdict(evaluation),
+        "",
+    ]
+    if chart:
+        lines += [f"![Per-position acceptance]({CHART_FILE})", ""]
+    lines += ["## Training", "", *_training(recipe, provenance, recipe_text), "",
+              "`recipe.yaml` (the resolved recipe), `train_command.txt` and `provenance.json` in this folder "
+              "record how it was made.", ""]
+    return "\n".join(lines)
