@@ -164,7 +164,8 @@ def main() -> int:
     try:
         plans = extract_all(args, work, ["float32", "bfloat16", args.fp8])
         bf16_hidden, bf16_whole, tokens = bytes_per_token(plans["bfloat16"])
-        print(f"\n{tokens} tokens, {len(LAYER_IDS)} layers x 576 per token")
+        train_samples = len(read_manifest(Store(plans["bfloat16"].data)))
+        print(f"\n{train_samples} train samples, {tokens} tokens, {len(LAYER_IDS)} layers x 576 per token")
         print("| store | hidden states (+ scales) B/token | x bf16 | whole sample B/token | x bf16 |")
         print("|---|---|---|---|---|")
         for dtype in ("float32", "bfloat16", args.fp8):
@@ -193,7 +194,7 @@ def main() -> int:
             taus[dtype] = (served.mean_acceptance_length, offline.mean_acceptance_length,
                            served.outputs_identical, served.num_prompts)
             print(f"evaluated {dtype} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-        print(f"\nτ in vLLM, same recipe ({args.samples - args.eval_prompts} train samples, "
+        print(f"\nτ in vLLM, same recipe ({train_samples} train samples, "
               f"{args.epochs} epochs, {args.eval_prompts} held-out prompts, "
               f"{args.max_new_tokens} new tokens)")
         print("| trained from | τ in vLLM | τ offline | lossless outputs |")
