@@ -23,6 +23,7 @@ from draftflow.extraction import expected_samples, extract_shard_by_id, plan_ext
 from draftflow.extraction.run import prepare_data as prepare_data_core
 from draftflow.paths import shard_id
 from draftflow.store import Store
+from draftflow.store.fp8 import server_dtype
 from draftflow.store.shard import FORMAT_VERSION
 from draftflow.vllm.server import ServerHandle, ensure_running
 from tasks import infra as infra_mod
@@ -43,7 +44,8 @@ def check_or_start_vllm(recipe: str, overrides: list[str], store_block: str | No
     handle = ensure_running(
         infra.endpoints or r.vllm.endpoints, model=plan.target_model, layer_ids=plan.layer_ids,
         hidden_size=plan.target.hidden_size, api_key=infra.api_key,
-        launch=infra.launch if infra.launch_from_block else r.vllm.launch, dtype=r.extraction.dtype,
+        launch=infra.launch if infra.launch_from_block else r.vllm.launch,
+        dtype=server_dtype(r.extraction.dtype),
     )
     for note in handle.unverified:
         get_run_logger().warning(note)

@@ -20,6 +20,7 @@ from draftflow.plan import Plan
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.recipe.fingerprint import fingerprint_inputs
 from draftflow.store import PlannedShard, Store, reconcile
+from draftflow.store.fp8 import server_dtype
 from draftflow.vllm.client import VLLMClient
 from draftflow.vllm.hidden_states_file import sweep_stale
 from draftflow.vllm.server import ensure_running
@@ -54,8 +55,9 @@ def run_extraction(
     handle = ensure_running(
         urls, model=plan.target_model, layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size,
         api_key=api_key, launch=recipe.vllm.launch if launch is _RECIPE else launch,
-        # The server computes in the stored dtype, so what is stored is what it computed.
-        dtype=recipe.extraction.dtype, log_dir=log_dir,
+        # The server computes in the stored dtype, so what is stored is what it computed
+        # (FP8: in bf16, quantised when the shard is written).
+        dtype=server_dtype(recipe.extraction.dtype), log_dir=log_dir,
     )
     with handle:
         summary = run_coroutine(_extract_missing(

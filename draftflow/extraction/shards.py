@@ -22,7 +22,7 @@ from draftflow.extraction.faults import injected_fault
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
 from draftflow.plan import Plan
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
-from draftflow.store.shard import HIDDEN_DTYPES
+from draftflow.store.shard import as_stored
 from draftflow.vllm.client import InvalidHiddenStates, RequestFailed, VLLMClient, VLLMError
 
 # HTTP statuses that mean "this prompt is unacceptable" (too long, bad tokens), not "the server
@@ -86,12 +86,14 @@ async def extract_samples(
     dtype: str,
     on_sample: Callable[[int, bool], None] | None = None,
 ) -> list[Sample | FailedSample]:
-    """Hidden states of ``sample_ids`` (in order) cast to ``dtype``; nothing is stored.
+    """Hidden states of ``sample_ids`` (in order) as ``dtype`` gives them back; nothing is stored.
+
+    FP8 dtypes give fp32 states already quantised and decoded (:func:`as_stored`), so an
+    online or hybrid trainer sees exactly what a later read of the store returns.
 
     The client deletes every staging file right after reading it. ``on_sample(num_tokens, ok)``
     is called as each sample finishes.
     """
-    torch_dtype = HIDDEN_DTYPES[dtype][0]
     tokens = [train.tokens(sid) for sid in sample_ids]
 
     def finished(i: int, result: Any) -> None:
@@ -110,7 +112,7 @@ async def extract_samples(
             out.append(FailedSample(sid, reason, len(ids)))
             continue
         # Token ids as prepared (int32, half the bytes); the client checked they equal the file's.
-        hidden = result.hidden_states.to(torch_dtype)
+        hidden = as_stored(result.hidden_states, dtype)
         out.append(Sample(sid, hidden, torch.from_numpy(ids), torch.from_numpy(mask)))
     return out
 

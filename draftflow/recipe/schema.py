@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-Dtype = Literal["bfloat16", "float16", "float32"]
+Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3", "float8_e5m2"]
 
 
 class Section(BaseModel):
@@ -81,7 +81,11 @@ class ExtractionSection(Section):
         description="Target layer ids to extract (id k = residual stream entering layer k; "
         "id L = last layer output before the final norm). Default: [2, L//2, L-3, L].",
     )
-    dtype: Dtype = Field("bfloat16", description="Stored dtype of hidden states.")
+    dtype: Dtype = Field(
+        "bfloat16",
+        description="Stored dtype of hidden states. float8_e4m3 / float8_e5m2: FP8 values with one "
+        "bf16 scale per token and layer (about half the bytes of bfloat16), decoded when loaded.",
+    )
     store: str = Field("./draftflow-store", description="fsspec URL of the shard store.")
     samples_per_shard: int = Field(64, ge=1)
     mode: Literal["offline", "online", "hybrid"] = Field(
@@ -92,6 +96,18 @@ class ExtractionSection(Section):
     concurrency: int = Field(4, ge=1, description="Requests in flight per vLLM endpoint.")
     request_retries: int = Field(3, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
+
+    @field_validator("dtype")
+    @classmethod
+    def _float8_available(cls, dtype: str) -> str:
+        if dtype.startswith("float8_"):
+            # Imported here: torch is only needed (and only checked) when FP8 is asked for.
+            from draftflow.store.fp8 import float8_unavailable
+
+            reason = float8_unavailable(dtype)
+            if reason:
+                raise ValueError(f"{dtype} needs float8 support in torch, but {reason}")
+        return dtype
 
 
 class VLLMLaunchSection(Section):

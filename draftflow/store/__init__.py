@@ -5,6 +5,8 @@ any fsspec backend — a local disk, ``/dev/shm``, S3:
 
 * :mod:`~draftflow.store.shard` — the shard format (safetensors, one contiguous byte range
   per sample) and why;
+* :mod:`~draftflow.store.fp8` — FP8 hidden states (``extraction.dtype: float8_e4m3`` /
+  ``float8_e5m2``): per-row scales, quantised on write, decoded vectorised on read;
 * :mod:`~draftflow.store.writer` — the lock-free commit protocol (shard object first, then an
   immutable manifest fragment) and garbage collection of uncommitted objects;
 * :mod:`~draftflow.store.manifest` — the manifest table, how duplicate commits resolve,

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from draftflow import paths
 from draftflow.store.backend import Store, new_token
-from draftflow.store.shard import HIDDEN_DTYPES
+from draftflow.store.shard import stored_dtypes
 
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
@@ -89,8 +89,8 @@ class ExtractionInfo:
     vllm_version: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in HIDDEN_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(HIDDEN_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in stored_dtypes():
+            raise ValueError(f"dtype must be one of {sorted(stored_dtypes())}, got {self.dtype!r}")
         if self.mode not in ("offline", "online"):
             raise ValueError(f"mode must be 'offline' or 'online', got {self.mode!r}")
         if not self.layer_ids or self.hidden_size < 1:

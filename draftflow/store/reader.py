@@ -25,10 +25,12 @@ from typing import Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
 from draftflow import paths
 from draftflow.store.backend import Store
 from draftflow.store.manifest import STATUS_OK, read_manifest
+from draftflow.store.fp8 import DECODE_DTYPE
 from draftflow.store.shard import Sample, SampleSpans, TensorSpan, sample_from
 
 Verify = Literal["shard", "sample", "none"]
@@ -65,7 +67,7 @@ def _spans(row: Mapping) -> SampleSpans:
     )
 
 
-def _sample(buf: bytearray | mmap.mmap, base: int, row: Mapping) -> Sample:
+def _sample(buf: bytearray | mmap.mmap, base: int, row: Mapping, decode_dtype: torch.dtype) -> Sample:
     return sample_from(
         buf,
         base,
@@ -75,6 +77,7 @@ def _sample(buf: bytearray | mmap.mmap, base: int, row: Mapping) -> Sample:
         token_dtype=row["token_dtype"],
         n_layers=len(row["layer_ids"]),
         hidden_size=row["hidden_size"],
+        decode_dtype=decode_dtype,
     )
 
 
@@ -113,8 +116,14 @@ def _rows(manifest: pa.Table, column: str, value: str) -> list[dict]:
     return manifest.filter(pc.equal(manifest[column], value)).to_pylist()
 
 
-def load_sample(store: Store, manifest: pa.Table, sample_id: str, *, verify: Verify = "shard") -> Sample:
-    """One sample's tensors, read with a single range read of its bytes (after the shard check)."""
+def load_sample(
+    store: Store, manifest: pa.Table, sample_id: str, *, verify: Verify = "shard",
+    decode_dtype: torch.dtype = DECODE_DTYPE,
+) -> Sample:
+    """One sample's tensors, read with a single range read of its bytes (after the shard check).
+
+    FP8 hidden states come back decoded to ``decode_dtype``; other dtypes as stored.
+    """
     rows = _rows(manifest, "sample_id", sample_id)
     if not rows:
         raise KeyError(f"sample {sample_id!r} is not in the manifest")
@@ -129,7 +138,7 @@ def load_sample(store: Store, manifest: pa.Table, sample_id: str, *, verify: Ver
     data = bytearray(store.read_range(url, spans.start, spans.end))
     if verify == "sample":
         _check_sample(data, row)
-    return _sample(data, spans.start, row)
+    return _sample(data, spans.start, row, decode_dtype)
 
 
 def _read_whole(store: Store, url: str) -> bytearray | mmap.mmap:
@@ -142,7 +151,8 @@ def _read_whole(store: Store, url: str) -> bytearray | mmap.mmap:
 
 
 def iter_shard(
-    store: Store, manifest: pa.Table, shard_id: str, *, verify: Verify = "shard"
+    store: Store, manifest: pa.Table, shard_id: str, *, verify: Verify = "shard",
+    decode_dtype: torch.dtype = DECODE_DTYPE,
 ) -> Iterator[Sample]:
     """The successful samples of one shard, in order, from one sequential read of the shard.
 
@@ -166,7 +176,7 @@ def iter_shard(
         spans = _spans(row)
         if verify == "sample":
             _check_sample(memoryview(buf)[spans.start : spans.end], row)
-        yield _sample(buf, 0, row)
+        yield _sample(buf, 0, row, decode_dtype)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,16 @@ Layout of one shard (a valid safetensors file; ``safetensors.safe_open`` reads i
     u64 little-endian N | N bytes of JSON header, space-padded to an 8-byte boundary | data
     header: "__metadata__": {format, format_version, shard_id, writer, sample_ids (JSON), ...}
             "<i>.token_ids":     int32|int64 [T]            sample i's tensors are adjacent,
-            "<i>.hidden_states": dtype [T, n_layers, H]    in this order, so one sample is
-            "<i>.loss_mask":     uint8 [T]                  one contiguous byte range
+            "<i>.hidden_scales": bf16 [T, n_layers]         in this order, so one sample is
+            "<i>.hidden_states": dtype [T, n_layers, H]     one contiguous byte range
+            "<i>.loss_mask":     uint8 [T]
             "<i>.padding":       uint8 [p]  (p in 1..7, only when needed: next sample 8-aligned)
+
+``hidden_scales`` exists only in FP8 shards (``dtype`` float8_e4m3 / float8_e5m2, see
+:mod:`draftflow.store.fp8`): one scale per token and layer, between the token ids and the
+values, so the manifest's offsets need no new columns (the scales are the bytes from the end
+of the token ids to the start of the hidden states). Format version 2 added them; version-1
+shards (no FP8) read unchanged.
 
 Why this format:
 
@@ -43,8 +50,10 @@ from typing import IO
 
 import torch
 
+from draftflow.store import fp8
+
 FORMAT = "draftflow-shard"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: FP8 hidden states with per-row scales
 
 # Recipe dtype name -> (torch dtype, safetensors dtype code).
 HIDDEN_DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -88,7 +97,7 @@ class TensorSpan:
 
 @dataclass(frozen=True)
 class SampleSpans:
-    """Where one sample lives in its shard; ``start``/``end`` cover its three tensors."""
+    """Where one sample lives in its shard; ``start``/``end`` cover all its tensors."""
 
     token_ids: TensorSpan
     hidden_states: TensorSpan
@@ -101,6 +110,26 @@ class SampleSpans:
     @property
     def end(self) -> int:
         return self.loss_mask.end
+
+    def hidden_scales(self, num_tokens: int, n_layers: int) -> TensorSpan:
+        """FP8 shards: the bf16 scales, which fill the gap between token ids and hidden states."""
+        span = TensorSpan(self.token_ids.end, self.hidden_states.offset - self.token_ids.end)
+        expected = num_tokens * n_layers * fp8.SCALE_DTYPE[0].itemsize
+        if span.length != expected:
+            raise ValueError(f"FP8 sample has {span.length} bytes of scales where {expected} belong")
+        return span
+
+
+def as_stored(hidden: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``hidden`` as a read of a shard of ``dtype`` returns it (FP8: quantised, decoded in fp32)."""
+    if fp8.is_fp8(dtype):
+        return fp8.fake_quantise(hidden, dtype)
+    return hidden.to(HIDDEN_DTYPES[dtype][0])
+
+
+def stored_dtypes() -> list[str]:
+    """Every ``extraction.dtype`` the shard format can hold."""
+    return [*HIDDEN_DTYPES, *fp8.FP8_FORMATS]
 
 
 @dataclass(frozen=True)
@@ -143,12 +172,21 @@ def _prepare(
         )
     if mask.dtype not in (torch.uint8, torch.bool) or bool((mask.to(torch.uint8) > 1).any()):
         raise ValueError(f"sample {sample.sample_id!r}: loss_mask must be 0/1 uint8 or bool")
-    torch_dtype, code = HIDDEN_DTYPES[dtype]
     token_name = token_dtype_name(tokens.dtype)
-    # Casting to the recipe's stored dtype is the point of `extraction.dtype` (vLLM may run in fp32).
+    if fp8.is_fp8(dtype):
+        # Quantised here, where the shard is written: vLLM gives bf16/fp32 states.
+        values, scales = fp8.quantise(hidden, dtype)
+        hidden_tensors = [
+            ("hidden_scales", fp8.SCALE_DTYPE[1], list(scales.shape), _raw(scales)),
+            ("hidden_states", fp8.FP8_FORMATS[dtype].code, list(hidden.shape), _raw(values)),
+        ]
+    else:
+        torch_dtype, code = HIDDEN_DTYPES[dtype]
+        # Casting to the recipe's stored dtype is the point of `extraction.dtype` (vLLM may run in fp32).
+        hidden_tensors = [("hidden_states", code, list(hidden.shape), _raw(hidden.to(torch_dtype)))]
     return [
         ("token_ids", TOKEN_DTYPES[token_name][1], [num_tokens], _raw(tokens)),
-        ("hidden_states", code, list(hidden.shape), _raw(hidden.to(torch_dtype))),
+        *hidden_tensors,
         ("loss_mask", MASK_DTYPE[1], [num_tokens], _raw(mask.to(torch.uint8))),
     ]
 
@@ -167,22 +205,22 @@ def write_shard_stream(
     Tensor names carry the sample's index in its shard (``3.hidden_states``), which is also
     its ``index_in_shard`` in the manifest; indices of failed samples are simply absent.
     """
-    if dtype not in HIDDEN_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(HIDDEN_DTYPES)}, got {dtype!r}")
+    if dtype not in stored_dtypes():
+        raise ValueError(f"dtype must be one of {sorted(stored_dtypes())}, got {dtype!r}")
     prepared = [(i, _prepare(s, dtype, n_layers, hidden_size)) for i, s in samples]
     header: dict[str, object] = {"__metadata__": dict(metadata)}
-    rel_spans: list[list[TensorSpan]] = []
+    rel_spans: list[dict[str, TensorSpan]] = []
     paddings: list[int] = []
     pos = 0
     for i, tensors in prepared:
-        spans = []
+        spans = {}
         for suffix, code, shape, data in tensors:
             header[f"{i}.{suffix}"] = {
                 "dtype": code,
                 "shape": shape,
                 "data_offsets": [pos, pos + data.nbytes],
             }
-            spans.append(TensorSpan(pos, data.nbytes))
+            spans[suffix] = TensorSpan(pos, data.nbytes)
             pos += data.nbytes
         pad = -pos % _ALIGN
         if pad:
@@ -211,8 +249,11 @@ def write_shard_stream(
         put(bytes(pad))
         sample_hashes.append(sample_hash.hexdigest())
     spans = tuple(
-        SampleSpans(*(TensorSpan(data_start + t.offset, t.length) for t in sample_spans))
-        for sample_spans in rel_spans
+        SampleSpans(*(
+            TensorSpan(data_start + s[name].offset, s[name].length)
+            for name in ("token_ids", "hidden_states", "loss_mask")
+        ))
+        for s in rel_spans
     )
     return WrittenShard(data_start + pos, shard_hash.hexdigest(), spans, tuple(sample_hashes))
 
@@ -256,10 +297,33 @@ def sample_from(
     token_dtype: str,
     n_layers: int,
     hidden_size: int,
+    decode_dtype: torch.dtype = fp8.DECODE_DTYPE,
 ) -> Sample:
-    """Rebuild a sample from a buffer holding its bytes; ``base`` = shard offset of ``buf[0]``."""
+    """Rebuild a sample from a buffer holding its bytes; ``base`` = shard offset of ``buf[0]``.
+
+    Plain dtypes view ``buf`` without a copy; FP8 hidden states are decoded to ``decode_dtype``
+    (default fp32, exact) in one vectorised multiply.
+    """
     num_tokens = spans.loss_mask.length
-    torch_dtype = HIDDEN_DTYPES[dtype][0]
+    if fp8.is_fp8(dtype):
+        fmt = fp8.require_float8(dtype)
+        scales = spans.hidden_scales(num_tokens, n_layers)
+        hidden = fp8.dequantise(
+            tensor_from(
+                buf, spans.hidden_states.offset - base, spans.hidden_states.length, fmt.torch_dtype,
+                [num_tokens, n_layers, hidden_size],
+            ),
+            tensor_from(buf, scales.offset - base, scales.length, fp8.SCALE_DTYPE[0], [num_tokens, n_layers]),
+            decode_dtype,
+        )
+    else:
+        hidden = tensor_from(
+            buf,
+            spans.hidden_states.offset - base,
+            spans.hidden_states.length,
+            HIDDEN_DTYPES[dtype][0],
+            [num_tokens, n_layers, hidden_size],
+        )
     return Sample(
         sample_id=sample_id,
         token_ids=tensor_from(
@@ -269,13 +333,7 @@ def sample_from(
             TOKEN_DTYPES[token_dtype][0],
             [num_tokens],
         ),
-        hidden_states=tensor_from(
-            buf,
-            spans.hidden_states.offset - base,
-            spans.hidden_states.length,
-            torch_dtype,
-            [num_tokens, n_layers, hidden_size],
-        ),
+        hidden_states=hidden,
         loss_mask=tensor_from(
             buf, spans.loss_mask.offset - base, spans.loss_mask.length, torch.uint8, [num_tokens]
         ),

@@ -76,3 +76,30 @@ def assert_same(got: Sample, want: Sample) -> None:
     assert torch.equal(got.token_ids, want.token_ids)
     assert got.loss_mask.dtype == torch.uint8
     assert torch.equal(got.loss_mask, want.loss_mask)
+
+
+def fp8_sample(
+    sample_id: str, num_tokens: int | None = None, *, n_layers: int = 3, hidden_size: int = 16
+) -> Sample:
+    """Finite fp32 states for FP8 shards (which refuse inf/NaN): rows of very different
+    magnitudes (1e-3 .. 1e4), an outlier column like SmolLM2's, and an all-zero row."""
+    num_tokens = num_tokens_for(sample_id) if num_tokens is None else num_tokens
+    gen = torch.Generator().manual_seed(zlib.crc32(sample_id.encode()))
+    row_scale = 10.0 ** (torch.rand((num_tokens, n_layers, 1), generator=gen) * 7 - 3)
+    hidden = torch.randn((num_tokens, n_layers, hidden_size), generator=gen) * row_scale
+    hidden[:, :, 0] *= 50.0
+    hidden[0, 0] = 0.0
+    return Sample(
+        sample_id=sample_id,
+        hidden_states=hidden,
+        token_ids=torch.randint(0, 49152, (num_tokens,), generator=gen, dtype=torch.int32),
+        loss_mask=torch.randint(0, 2, (num_tokens,), generator=gen, dtype=torch.uint8),
+    )
+
+
+def as_read_back(sample: Sample, dtype: str) -> Sample:
+    """What a store of ``dtype`` returns for ``sample`` (FP8: quantised, then decoded in fp32)."""
+    from draftflow.store.shard import as_stored
+
+    hidden = as_stored(sample.hidden_states, dtype)
+    return Sample(sample.sample_id, hidden, sample.token_ids, sample.loss_mask)
