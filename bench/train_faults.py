@@ -50,8 +50,9 @@ def _env() -> dict:
 def _run(recipe: str, run_id: str, *extra: str) -> dict:
     from draftflow.train.__main__ import RESULT_PREFIX
 
-    proc = subprocess.run(TRAIN + [recipe, "--run-id", run_id, *SETTINGS, *extra], capture_output=True,
-                          text=True, env=_env(), timeout=1800)
+    proc = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
+        TRAIN + [recipe, "--run-id", run_id, *SETTINGS, *extra], capture_output=True, text=True, env=_env(),
+        timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{run_id}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))

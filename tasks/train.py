@@ -14,8 +14,8 @@ gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops the same way.
 from __future__ import annotations
 
 import collections
-import json
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -102,7 +102,8 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
     env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
-                            start_new_session=True, preexec_fn=_terminate_with_parent)
+                            start_new_session=True,
+                            preexec_fn=_terminate_with_parent)  # noqa: PLW1509 - one prctl call, no locks
     try:
         drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
         drain.start()

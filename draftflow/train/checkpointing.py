@@ -184,7 +184,7 @@ def newest_complete(layout: RunLayout) -> str | None:
     return find_resumable(layout).folder
 
 
-class CheckpointUnreadable(RuntimeError):  # noqa: N818 (the name says what happened)
+class CheckpointUnreadable(RuntimeError):
     """A rank cannot read the checkpoint that rank 0 chose to resume from."""
 
 

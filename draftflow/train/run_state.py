@@ -211,7 +211,7 @@ def claim(layout: RunLayout, runtime, force_new: bool = False) -> Iterator[None]
             if force_new and (moved := set_aside(layout)):
                 print(f"draftflow.train: --force-new: the earlier run's files are now in {moved}", file=sys.stderr,
                       flush=True)
-        except Exception as err:  # re-raised below, after every rank knows
+        except Exception as err:  # noqa: BLE001 - re-raised below, after every rank knows
             error = err
     _agree(runtime, error, f"claim run folder {layout.root}")
     try:
@@ -226,6 +226,6 @@ def check_settings_agreed(layout: RunLayout, runtime, settings: dict) -> None:
     if runtime.is_main:
         try:
             check_settings(layout, settings)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - re-raised by _agree on every rank
             error = err
     _agree(runtime, error, f"check the settings of run folder {layout.root}")
