@@ -14,19 +14,17 @@ gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops the same way.
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from draftflow.plan import Plan
+from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.train.__main__ import RESULT_PREFIX
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
@@ -49,43 +47,6 @@ def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> l
 
 
 STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM before SIGKILL
-_PR_SET_PDEATHSIG = 1
-
-
-def _terminate_with_parent() -> None:
-    """In the child before exec: SIGTERM when the task's process dies (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> bool:
-    """End torchrun and its workers (its process group): SIGTERM, then SIGKILL. True if any was running."""
-    if proc.poll() is not None and not _group_alive(proc.pid):
-        return False
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
-            time.sleep(0.1)
-        if not _group_alive(proc.pid):
-            break
-    proc.poll()
-    return True
 
 
 @task(name="train-drafter", tags=["draftflow-gpu-training"])
@@ -103,7 +64,7 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
     env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
                             start_new_session=True,
-                            preexec_fn=_terminate_with_parent)  # noqa: PLW1509 - one prctl call, no locks
+                            preexec_fn=terminate_with_parent)  # noqa: PLW1509 - one prctl call, no locks
     try:
         drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
         drain.start()
@@ -123,7 +84,7 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
         code = proc.wait()
         drain.join(timeout=5)
     finally:
-        if stop_process_group(proc):
+        if stop_group(proc, STOP_GRACE_S):
             logger.warning("training stopped: torchrun (process group %s) was ended with the task", proc.pid)
     if code != 0 or result is None:
         raise RuntimeError(f"torchrun exited with {code}; stderr tail:\n" + "".join(stderr_tail))
