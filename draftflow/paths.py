@@ -19,6 +19,7 @@ Layout of a store::
 
     RUN_DIR/NAME-FINGERPRINT/RUN_ID/         RunLayout: one training run
         metrics.jsonl, train.log
+        run.json, .lock, skipped-samples.json  the run's settings, its trainer's lock, samples skipped
         checkpoints/step-NNNNNNNN/{model,optim,state}… + COMPLETE
         export/                              the speculators folder vLLM serves
         eval/report.json, report.md, acceptance.png
@@ -153,6 +154,25 @@ class RunLayout:
     @property
     def log(self) -> str:
         return join(self.root, "train.log")
+
+    @property
+    def settings(self) -> str:
+        """The settings the run was started with; a resume under other settings is refused."""
+        return join(self.root, "run.json")
+
+    @property
+    def lock(self) -> str:
+        """Held by the run's trainer while it runs (flock locally, a lease object on object stores)."""
+        return join(self.root, ".lock")
+
+    @property
+    def skipped_samples(self) -> str:
+        """Train samples the run trained without (training.max_missing_fraction), with reasons."""
+        return join(self.root, "skipped-samples.json")
+
+    def set_aside(self, stamp: str) -> str:
+        """Where --force-new moves an earlier run's files: beside the run, never deleted."""
+        return f"{self.root}.replaced-{safe_component(stamp)}"
 
     @property
     def checkpoints_dir(self) -> str:

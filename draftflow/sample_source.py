@@ -69,8 +69,12 @@ class SampleSource:
         endpoints: Sequence[str] | None = None,
         api_key: str | None = None,
         verify: Verify | None = None,
+        max_missing_fraction: float | None = None,
     ):
         self.plan = plan
+        self.max_missing_fraction = (plan.recipe.training.max_missing_fraction if max_missing_fraction is None
+                                     else max_missing_fraction)
+        self.skipped: dict[str, str] = {}  # offline: samples left out (training.max_missing_fraction) -> why
         self.mode = mode or plan.recipe.extraction.mode
         if self.mode not in ("offline", "online", "hybrid"):
             raise ValueError(f"mode must be offline, online or hybrid, not {self.mode!r}")
@@ -99,7 +103,11 @@ class SampleSource:
         # verify=False: sizes only here; each shard is hashed when first read (self.verify).
         rec = reconcile(self.store, self._train.expected(), self._per_shard, manifest=manifest, verify=False)
         if self.mode == "offline" and rec.to_generate:
-            raise MissingSamples(_missing_message(self.plan, rec))
+            self.skipped = _unavailable(rec)
+            allowed = self.max_missing_fraction * len(self._train.expected())
+            if len(self.skipped) > allowed:
+                self.skipped = {}
+                raise MissingSamples(_missing_message(self.plan, rec, self.max_missing_fraction))
         present = set(rec.present)
         ids, shards = manifest["sample_id"].to_pylist(), manifest["shard_id"].to_pylist()
         for i, (sid, shard) in enumerate(zip(ids, shards, strict=True)):
@@ -108,8 +116,9 @@ class SampleSource:
         self._pending = {p.shard_id: p for p in rec.to_generate}
 
     def items(self) -> list[tuple[str, int]]:
-        """(sample_id, num_tokens) of every train sample, in the prepared order; no tensor is read."""
-        return [(e.sample_id, e.num_tokens) for e in self._train.expected()]
+        """(sample_id, num_tokens) of every train sample (but those skipped), in the prepared order;
+        no tensor is read."""
+        return [(e.sample_id, e.num_tokens) for e in self._train.expected() if e.sample_id not in self.skipped]
 
     # -- loading ----------------------------------------------------------------------
 
@@ -182,7 +191,15 @@ def _ok(samples: list[Sample | FailedSample]) -> list[Sample]:
     return samples  # type: ignore[return-value]
 
 
-def _missing_message(plan: Plan, rec: Reconciliation) -> str:
+def _unavailable(rec: Reconciliation) -> dict[str, str]:
+    """Sample id -> why it cannot be loaded from the store."""
+    out = {sid: "missing from the store" for sid in rec.missing}
+    out.update((sid, f"extraction failed: {reason}") for sid, reason in rec.failed)
+    out.update((sid, "in a broken shard") for sid in rec.corrupt)
+    return out
+
+
+def _missing_message(plan: Plan, rec: Reconciliation, max_missing_fraction: float = 0.0) -> str:
     shards = [p.shard_id for p in rec.to_generate]
     named = ", ".join(f"{p.shard_id} ({'; '.join(p.reasons)})" for p in rec.to_generate[:_SHARDS_NAMED])
     more = f" and {len(shards) - _SHARDS_NAMED} more" if len(shards) > _SHARDS_NAMED else ""
@@ -191,7 +208,9 @@ def _missing_message(plan: Plan, rec: Reconciliation) -> str:
         f"extraction.mode=offline but {total - len(rec.present)} of {total} train samples are not in "
         f"{plan.data.root} ({len(rec.missing)} missing, {len(rec.failed)} failed, {len(rec.corrupt)} in "
         f"broken shards); {len(shards)} shards to (re)generate: {named}{more}. Run `draftflow extract "
-        f"{plan.recipe_path}` first, or set extraction.mode=hybrid to generate them during training"
+        f"{plan.recipe_path}` first, set extraction.mode=hybrid to generate them during training, or "
+        f"raise training.max_missing_fraction (now {max_missing_fraction}) to at least "
+        f"{(total - len(rec.present)) / max(total, 1):.4g} to train without them"
     )
 
 

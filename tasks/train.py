@@ -3,6 +3,12 @@
 torchrun is a process boundary: the trainer knows nothing about Prefect. This task reads
 the trainer's JSON metric lines from stdout, logs them, keeps a progress artifact up to
 date, and fails with the tail of stderr when torchrun fails.
+
+torchrun never outlives the task: it runs in its own process group, which the task stops
+(SIGTERM, so the ranks agree on a stop and checkpoint, then SIGKILL after STOP_GRACE_S) on
+every way out: success, failure, or Prefect cancelling the flow run (the runner's SIGTERM
+surfaces as an exception in the task). If the task's process is killed outright, torchrun
+gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from draftflow.plan import Plan
+from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.train import RESULT_PREFIX
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
@@ -39,6 +46,9 @@ def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> l
     return cmd
 
 
+STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM before SIGKILL
+
+
 @task(name="train-drafter", tags=["draftflow-gpu-training"])
 def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int | None = None,
                   store_block: str | None = None, vllm_block: str | None = None) -> dict:
@@ -52,23 +62,30 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
                                         description=f"training {plan.recipe.name}")
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
     env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
-    drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
-    drain.start()
-    rows, result = [], None
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        record = parse_line(line)
-        if record is not None:
-            rows.append(record)
-            logger.info("step %(step)s epoch %(epoch)s loss %(loss).4f acc %(acc)s tok/s %(tokens_per_s).0f", record)
-            total = record.get("total_steps") or 0
-            if total:
-                update_progress_artifact(progress, progress=100.0 * record["step"] / total)
-        elif line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-    code = proc.wait()
-    drain.join(timeout=5)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
+                            start_new_session=True,
+                            preexec_fn=terminate_with_parent)  # noqa: PLW1509 - one prctl call, no locks
+    try:
+        drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
+        drain.start()
+        rows, result = [], None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            record = parse_line(line)
+            if record is not None:
+                rows.append(record)
+                logger.info("step %(step)s epoch %(epoch)s loss %(loss).4f acc %(acc)s tok/s %(tokens_per_s).0f",
+                            record)
+                total = record.get("total_steps") or 0
+                if total:
+                    update_progress_artifact(progress, progress=100.0 * record["step"] / total)
+            elif line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX):])
+        code = proc.wait()
+        drain.join(timeout=5)
+    finally:
+        if stop_group(proc, STOP_GRACE_S):
+            logger.warning("training stopped: torchrun (process group %s) was ended with the task", proc.pid)
     if code != 0 or result is None:
         raise RuntimeError(f"torchrun exited with {code}; stderr tail:\n" + "".join(stderr_tail))
     update_progress_artifact(progress, progress=100.0)

@@ -217,6 +217,11 @@ class TrainingSection(Section):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="Steps; 0 = only at each epoch end.")
     run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
+    max_missing_fraction: float = Field(
+        0.0, ge=0, lt=1,
+        description="Share of train samples the trainer may leave out when the store lacks them (missing, "
+        "failed extraction, broken shard) in offline mode; they are listed in the run's skipped-samples.json.",
+    )
 
     @model_validator(mode="after")
     def _multinode_needs_rendezvous(self) -> TrainingSection:

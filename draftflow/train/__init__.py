@@ -7,3 +7,4 @@ checkpoint. The Prefect task reads exactly this.
 
 RESULT_PREFIX = "DRAFTFLOW_RESULT "
 EXIT_INTERRUPTED = 143
+EXIT_REFUSED = 2  # the run cannot start as asked (the one-line error says why and what to do)

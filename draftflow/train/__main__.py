@@ -10,7 +10,8 @@
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint head:29400 \\
         -m draftflow.train recipes/gemma-4-31b-dflash.yaml
 
-Rerunning the same command (same --run-id) resumes from the newest complete checkpoint.
+Rerunning the same command (same --run-id) resumes from the newest complete checkpoint whose
+files match their checksums; a rerun under other training settings is refused (--force-new).
 SIGTERM writes a checkpoint, then exits with code 143.
 """
 
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from draftflow.train import EXIT_INTERRUPTED, RESULT_PREFIX
+from draftflow.train import EXIT_INTERRUPTED, EXIT_REFUSED, RESULT_PREFIX
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--run-id", default="default", help="runs with the same id resume each other")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    p.add_argument("--force-new", action="store_true",
+                   help="move this run id's earlier files aside (RUN_ID.replaced-TIME) and start again")
     p.add_argument("--no-export", action="store_true")
     return p.parse_args(argv)
 
@@ -39,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from draftflow.paths import RunLayout
     from draftflow.plan import Plan
-    from draftflow.sample_source import open_source
-    from draftflow.train import drafter, loop
+    from draftflow.sample_source import MissingSamples
+    from draftflow.train import run_state
+    from draftflow.train.checkpointing import CheckpointUnreadable
     from draftflow.train.runtime import init_runtime, shutdown
 
     plan = Plan.load(args.recipe, args.overrides)
@@ -48,24 +52,39 @@ def main(argv: list[str] | None = None) -> int:
     runtime = init_runtime(training.device)
     try:
         layout = RunLayout.for_run(training.run_dir, plan.recipe.name, plan.fingerprint, args.run_id)
-        if runtime.is_main:  # builds and caches the draft vocabulary; the others then read it
-            setup = drafter.build(plan, is_main=True)
-        runtime.barrier()
-        if not runtime.is_main:
-            setup = drafter.build(plan, is_main=False)
-        source = open_source(plan)
-        result = loop.train(setup, source, layout, runtime, training, max_steps=args.max_steps)
-        export_dir = None
-        if runtime.is_main and not result.interrupted and not args.no_export:
-            export_dir = _export(setup, plan, layout.export_dir, argv)
-        if runtime.is_main:
-            summary = {"steps": result.steps, "resumed_from": result.resumed_from,
-                       "interrupted": result.interrupted, "run_dir": layout.root,
-                       "export_dir": export_dir, "metrics": result.last_metrics}
-            print(RESULT_PREFIX + json.dumps(summary), flush=True)
-        return EXIT_INTERRUPTED if result.interrupted else 0
+        with run_state.claim(layout, runtime, force_new=args.force_new):
+            return _train(args, argv, plan, layout, runtime)
+    except (run_state.TrainingRefused, CheckpointUnreadable, MissingSamples) as err:
+        print(f"draftflow.train: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     finally:
         shutdown(runtime)
+
+
+def _train(args, argv, plan, layout, runtime) -> int:
+    from draftflow.sample_source import open_source
+    from draftflow.train import drafter, loop, run_state
+
+    if runtime.is_main:  # builds and caches the draft vocabulary; the others then read it
+        setup = drafter.build(plan, is_main=True)
+    runtime.barrier()
+    if not runtime.is_main:
+        setup = drafter.build(plan, is_main=False)
+    source = open_source(plan)
+    run_state.record_skipped(layout, runtime, source.skipped)
+    run_state.check_settings_agreed(
+        layout, runtime, run_state.run_settings(plan.recipe, runtime.world_size, list(source.skipped)))
+    result = loop.train(setup, source, layout, runtime, plan.recipe.training, max_steps=args.max_steps)
+    export_dir = None
+    if runtime.is_main and not result.interrupted and not args.no_export:
+        export_dir = _export(setup, plan, layout.export_dir, argv)
+    if runtime.is_main:
+        summary = {"steps": result.steps, "resumed_from": result.resumed_from,
+                   "torn_checkpoints": result.torn_checkpoints, "skipped_samples": len(source.skipped),
+                   "interrupted": result.interrupted, "run_dir": layout.root,
+                   "export_dir": export_dir, "metrics": result.last_metrics}
+        print(RESULT_PREFIX + json.dumps(summary), flush=True)
+    return EXIT_INTERRUPTED if result.interrupted else 0
 
 
 def _export(setup, plan, export_url: str, argv) -> str:

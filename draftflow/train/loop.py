@@ -13,8 +13,9 @@ through DistributedDataParallel: the drafters' losses call model methods other t
 from __future__ import annotations
 
 import signal
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,10 +34,15 @@ class LoopResult:
     resumed_from: str | None
     interrupted: bool
     last_metrics: dict
+    torn_checkpoints: list[str] = field(default_factory=list)  # newer checkpoints skipped on resume
 
 
 class _Stop:
-    """Set by SIGTERM; the loop checkpoints at the end of the current step and exits."""
+    """Set by SIGTERM; the loop checkpoints at the end of the current step and exits.
+
+    A signal may reach one rank only (or the ranks at different steps): the flag is
+    all-reduced at every step boundary, so all ranks stop after the same step, together.
+    """
 
     def __init__(self):
         self.requested = False
@@ -68,10 +74,11 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, plan.total_steps, training.warmup_ratio, training.schedule))
 
-    state = checkpointing.TrainState()
-    resumed = checkpointing.newest_complete(layout)
+    found, state = checkpointing.resume(layout, runtime, model, optimizer, scheduler)
+    resumed = found.folder
     if resumed:
-        state = checkpointing.restore(resumed, model, optimizer, scheduler)
+        print(f"draftflow.train: rank {runtime.rank}/{runtime.world_size} resumes from {resumed} "
+              f"(step {state.step})", file=sys.stderr, flush=True)
     metrics = MetricsLog(layout.metrics, enabled=runtime.is_main)
     metrics.truncate_after(state.step)
 
@@ -112,16 +119,17 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
                 metrics.log(last)
             if end_of_epoch:
                 state.epoch, state.epoch_step = state.epoch + 1, 0
-            if stop.requested or end_of_epoch or (training.checkpoint_every and state.step % training.checkpoint_every == 0):
+            stopping = bool(runtime.ranks_with(stop.requested))
+            if stopping or end_of_epoch or (training.checkpoint_every and state.step % training.checkpoint_every == 0):
                 if runtime.is_main:
                     checkpointing.save(layout, model, optimizer, scheduler, state)
                     metrics.flush()
                 runtime.barrier()
-            if stop.requested:
-                return LoopResult(state.step, resumed, True, last)
+            if stopping:
+                return LoopResult(state.step, resumed, True, last, found.torn)
     finally:
         stop.restore()
-    return LoopResult(state.step, resumed, False, last)
+    return LoopResult(state.step, resumed, False, last, found.torn)
 
 
 def average_gradients(params: list[torch.nn.Parameter], runtime: Runtime) -> None:

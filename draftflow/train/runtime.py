@@ -39,6 +39,27 @@ class Runtime:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
+    def broadcast_int(self, value: int) -> int:
+        """Rank 0's ``value`` on every rank."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self._collective_device)
+        dist.broadcast(t, src=0)
+        return int(t.item())
+
+    def ranks_with(self, flag: bool) -> list[int]:
+        """The ranks whose ``flag`` is set, known to every rank (one all-reduce)."""
+        if not self.distributed:
+            return [0] if flag else []
+        t = torch.zeros(self.world_size, dtype=torch.long, device=self._collective_device)
+        t[self.rank] = int(bool(flag))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return [r for r in range(self.world_size) if t[r]]
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
