@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from draftflow.data.dataset import read_report
 from draftflow.extraction import expected_samples, extract_shard_by_id, plan_extraction
 from draftflow.extraction.run import prepare_data as prepare_data_core
+from draftflow.extraction.shards import staging_folders
 from draftflow.paths import shard_id
 from draftflow.store import Store
 from draftflow.store.shard import FORMAT_VERSION
@@ -42,6 +43,7 @@ def check_or_start_vllm(recipe: str, overrides: list[str], store_block: str | No
         infra.endpoints or r.vllm.endpoints, model=plan.target_model, layer_ids=plan.layer_ids,
         hidden_size=plan.target.hidden_size, api_key=infra.api_key,
         launch=infra.launch if infra.launch_from_block else r.vllm.launch, dtype=r.extraction.dtype,
+        staging_dirs=staging_folders(plan),
     )
     for note in handle.unverified:
         get_run_logger().warning(note)

@@ -6,6 +6,7 @@ task loads the blocks it needs by name and hands plain values to the core.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from blocks.infrastructure import HiddenStateStore, VLLMServer
@@ -35,6 +36,9 @@ def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_blo
         infra.api_key = block.api_key_value()
         infra.launch = settings.launch
         infra.launch_from_block = True
+        if settings.launch is not None:
+            # The shard tasks plan from the recipe: they must accept the block's staging folder too.
+            infra.overrides.append(f"vllm.staging_dirs={json.dumps([settings.launch.staging_dir])}")
     return infra
 
 
@@ -44,7 +48,6 @@ def plan_for(recipe: str, infra: Infra) -> Plan:
 
 def subprocess_env(infra: Infra) -> dict[str, str]:
     """Settings for a subprocess (torchrun) through the environment, not its command line."""
-    import json
 
     from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
 

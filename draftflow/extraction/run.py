@@ -16,7 +16,7 @@ from draftflow.data.prepare import aprepare
 from draftflow.data.regenerate import run_coroutine
 from draftflow.extraction.progress import ExtractionProgress, ExtractionSummary, ProgressTracker
 from draftflow.extraction.samples import train_set
-from draftflow.extraction.shards import ShardResult, extract_shard, make_client
+from draftflow.extraction.shards import ShardResult, extract_shard, make_client, staging_folders
 from draftflow.plan import Plan
 from draftflow.recipe.fingerprint import fingerprint_inputs
 from draftflow.store import PlannedShard, Store, reconcile
@@ -55,7 +55,7 @@ def run_extraction(
         urls, model=plan.target_model, layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size,
         api_key=api_key, launch=recipe.vllm.launch if launch is _RECIPE else launch,
         # The server computes in the stored dtype, so what is stored is what it computed.
-        dtype=recipe.extraction.dtype, log_dir=log_dir,
+        dtype=recipe.extraction.dtype, log_dir=log_dir, staging_dirs=staging_folders(plan),
     )
     with handle:
         summary = run_coroutine(_extract_missing(
@@ -98,7 +98,7 @@ async def _extract_missing(
             except* Exception as errors:  # committed shards stay; a rerun does the rest
                 raise errors.exceptions[0] from None
             results = [t.result() for t in tasks]
-            swept = await asyncio.to_thread(_sweep_staging, client, plan.recipe.extraction.request_timeout_s)
+            swept = await asyncio.to_thread(_sweep_staging, client.staging_dirs, plan.recipe.extraction.request_timeout_s)
     tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
     return tracker.summary(store.layout.root, results, version)
 
@@ -134,7 +134,7 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
     per_endpoint = math.ceil(data.regenerate_concurrency / len(endpoints))
     async with VLLMClient(
         endpoints, api_key=api_key, concurrency=per_endpoint, retries=plan.recipe.extraction.request_retries,
-        timeout_s=plan.recipe.extraction.request_timeout_s,
+        timeout_s=plan.recipe.extraction.request_timeout_s, staging_dirs=staging_folders(plan),
     ) as client:
         turn = itertools.cycle(client.endpoints)
 
@@ -159,8 +159,9 @@ def _write_fingerprint(plan: Plan, store: Store) -> None:
     store.write_atomic(store.layout.fingerprint_file, lambda f: f.write(blob))
 
 
-def _sweep_staging(client: VLLMClient, request_timeout_s: float) -> int:
+def _sweep_staging(staging_dirs: Sequence[str], request_timeout_s: float) -> int:
     """Remove staging files that killed runs left (their clients never read them). Only files
-    far older than any request can be are touched, and only in folders the servers named."""
+    far older than any request can be are touched, and only in the configured staging folders
+    (never in one a server's answer named)."""
     older_than_s = max(_STALE_STAGING_S, 2 * request_timeout_s)
-    return sum(sweep_stale(folder, older_than_s) for folder in sorted(client.staging_dirs) if os.path.isdir(folder))
+    return sum(sweep_stale(folder, older_than_s) for folder in sorted(set(staging_dirs)) if os.path.isdir(folder))

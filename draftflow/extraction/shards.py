@@ -21,6 +21,7 @@ from draftflow.data.regenerate import run_coroutine
 from draftflow.extraction.faults import injected_fault
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
 from draftflow.plan import Plan
+from draftflow.recipe.load import expand
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
 from draftflow.store.shard import HIDDEN_DTYPES
 from draftflow.vllm.client import InvalidHiddenStates, RequestFailed, VLLMClient, VLLMError
@@ -66,7 +67,13 @@ def make_client(plan: Plan, endpoints: Sequence[str], api_key: str | None = None
     return VLLMClient(
         list(endpoints), api_key=api_key, concurrency=x.concurrency, retries=x.request_retries,
         timeout_s=x.request_timeout_s, num_layers=len(plan.layer_ids), hidden_size=plan.target.hidden_size,
+        staging_dirs=staging_folders(plan),
     )
+
+
+def staging_folders(plan: Plan) -> list[str]:
+    """The recipe's staging folders, expanded: the only places a server-named file is touched."""
+    return [expand(d) for d in plan.recipe.vllm.staging_folders()]
 
 
 def sample_failure(err: VLLMError) -> str | None:

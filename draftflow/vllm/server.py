@@ -70,12 +70,14 @@ class ServerHandle:
     api_key: str | None = None
     started: list[ServerProcess] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)  # checks that could not be made, one line each
+    staging_dirs: list[str] = field(default_factory=list)  # the only folders whose files are read/deleted
 
     @property
     def log_paths(self) -> list[str]:
         return [p.spec.log_path for p in self.started if p.spec.log_path]
 
     def client(self, **kwargs: Any) -> VLLMClient:
+        kwargs.setdefault("staging_dirs", self.staging_dirs)
         return VLLMClient(self.endpoints, api_key=self.api_key, **kwargs)
 
     def stop(self) -> None:
@@ -103,6 +105,7 @@ def ensure_running(
     probe_token_ids: Sequence[int] = DEFAULT_PROBE_TOKENS,
     health_timeout_s: float = 3.0,
     strict_layer_ids: bool = False,
+    staging_dirs: Sequence[str] = (),
 ) -> ServerHandle:
     """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
 
@@ -110,17 +113,21 @@ def ensure_running(
     mapping with python, device, max_model_len, staging_dir, extra_args, env,
     startup_timeout_s). `model` is the recipe's target, as the server would be started with it.
     With `strict_layer_ids`, a running server not started here is refused, because its layer
-    ids (beyond their count) cannot be verified.
+    ids (beyond their count) cannot be verified. `staging_dirs`: where servers may name
+    hidden-state files (the launch section's staging_dir is added); files elsewhere are refused.
     """
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
     model = expand(model)
-    handle = ServerHandle(endpoints=urls, api_key=api_key)
+    handle = ServerHandle(endpoints=urls, api_key=api_key, staging_dirs=[expand(d) for d in staging_dirs])
+    if launch is not None:
+        handle.staging_dirs.append(expand(_launch_value(launch, "staging_dir", "/dev/shm/draftflow-hidden-states")))
     atexit.register(handle.stop)  # a crashed pipeline must not leave our servers running
     try:
         for url in urls:
             if is_healthy(url, health_timeout_s):
-                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s)
+                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
+                               handle.staging_dirs)
                 note = (f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
                         f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked")
                 if strict_layer_ids:
@@ -135,7 +142,8 @@ def ensure_running(
                 )
             proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
             handle.started.append(proc)
-            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s)
+            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
+                           handle.staging_dirs)
     except BaseException:
         handle.stop()
         raise
@@ -161,13 +169,14 @@ def check_endpoint(
     api_key: str | None,
     probe_token_ids: Sequence[int],
     timeout_s: float,
+    staging_dirs: Sequence[str] = (),
 ) -> None:
     """Model served and a probe extraction's layer count, hidden size and tokens."""
     headers = auth_headers(api_key)
     with httpx.Client(base_url=url, headers=headers, timeout=max(timeout_s, 60.0)) as http:
         served = _get_json(http, url, "/v1/models").get("data", [])
         served_id = check_model(url, model, served)
-        check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids)
+        check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids, staging_dirs)
 
 
 def _get_json(http: httpx.Client, url: str, path: str) -> dict:
@@ -204,6 +213,7 @@ def check_extraction(
     layer_ids: Sequence[int],
     hidden_size: int,
     probe_token_ids: Sequence[int],
+    staging_dirs: Sequence[str] = (),
 ) -> None:
     """One real extraction: the file must have the expected layers, size and tokens."""
     prompt = [int(t) for t in probe_token_ids]
@@ -214,7 +224,7 @@ def check_extraction(
     if response.status_code >= 400:
         raise ServerCheckError(f"{url}: probe extraction failed: HTTP {response.status_code}: {error_message(response)}")
     try:
-        path = hidden_states_path(response.json(), url, prompt)
+        path = hidden_states_path(response.json(), url, prompt, staging_dirs)
     except ExtractionNotEnabled as err:
         raise ExtractionNotEnabled(f"{url} serves {served_id!r} but hidden-state extraction is not enabled: {err}") from None
     _, hidden = read_hidden_states(path, prompt)  # validates token ids, finiteness; deletes files

@@ -115,7 +115,8 @@ def test_data_parallel_extraction_over_two_endpoints(smollm2_extraction, prompts
     items = [(f"s{i}", prompts[i % 2][: 20 + 7 * i]) for i in range(10)]
 
     async def go():
-        async with VLLMClient(endpoints, api_key=smollm2_extraction.api_key, concurrency=2, num_layers=len(smollm2_extraction.layer_ids), hidden_size=smollm2_extraction.hidden_size) as c:
+        async with VLLMClient(endpoints, api_key=smollm2_extraction.api_key, concurrency=2, num_layers=len(smollm2_extraction.layer_ids), hidden_size=smollm2_extraction.hidden_size,
+                              staging_dirs=[str(smollm2_extraction.staging_dir)]) as c:
             return await c.extract_many(items)
 
     results = run(go())
