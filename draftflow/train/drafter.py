@@ -6,7 +6,6 @@ model and a loss function.
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from draftflow.models.losses import LossOutput
 from draftflow.models.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
 from draftflow.paths import EXPORT_COMMAND, EXPORT_RECIPE
 from draftflow.plan import Plan
+from draftflow.recipe.redact import redact_args, redact_override, redacted_recipe
 from draftflow.train.batches import LayerSelection
 
 LossFn = Callable[[nn.Module, PackedBatch, torch.Generator | None], LossOutput]
@@ -127,9 +127,11 @@ def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: lis
         setup.model, out, verifier_name_or_path=plan.target_model,
         verifier_architectures=list(plan.target.architectures), aux_layer_ids=list(plan.context_layer_ids), **extra,
     )
-    (out / EXPORT_RECIPE).write_text(yaml.safe_dump(json.loads(plan.recipe.model_dump_json()), sort_keys=False))
-    (out / EXPORT_COMMAND).write_text(shlex.join(command or [sys.executable, "-m", "draftflow.train",
-                                                             plan.recipe_path, *sum((["--set", o] for o in plan.overrides), [])]) + "\n")
+    # The folder travels (Hub repo): launch env / extra_args secrets are redacted (recipe.redact).
+    (out / EXPORT_RECIPE).write_text(yaml.safe_dump(redacted_recipe(plan.recipe), sort_keys=False))
+    overrides = sum((["--set", redact_override(o)] for o in plan.overrides), [])
+    default_command = [sys.executable, "-m", "draftflow.train", plan.recipe_path, *overrides]
+    (out / EXPORT_COMMAND).write_text(shlex.join(redact_args(command) if command else default_command) + "\n")
     d2t = setup.model.d2t if setup.vocab is not None else None
     write_provenance(
         out,

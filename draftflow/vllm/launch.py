@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
+
 log = logging.getLogger(__name__)
 
 # Our CPU hidden-state connector lives in this package; the server imports it by module path.
@@ -49,10 +51,11 @@ class LaunchSpec:
     extract_layer_ids: list[int] | None = None
     staging_dir: str | None = None
     speculative_config: dict | None = None
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    # Where operators put credentials (--api-key, HF_TOKEN): kept out of the repr.
+    extra_args: list[str] = field(default_factory=list, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
     log_path: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -100,6 +103,10 @@ def build_command(spec: LaunchSpec) -> list[str]:
 
 def build_env(spec: LaunchSpec) -> dict[str, str]:
     env = dict(os.environ)
+    # draftflow's own secrets (store credentials, the client's copy of the API key) are none
+    # of vLLM's business: a server's environment is readable by its plugins and in /proc.
+    for name in (STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV):
+        env.pop(name, None)
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
     if spec.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

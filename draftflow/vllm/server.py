@@ -67,7 +67,7 @@ class ServerHandle:
     """The checked endpoints; stops (only) the servers `ensure_running` started. A context manager."""
 
     endpoints: list[str]
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr or log line
     started: list[ServerProcess] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)  # checks that could not be made, one line each
     staging_dirs: list[str] = field(default_factory=list)  # the only folders whose files are read/deleted

@@ -151,6 +151,7 @@ def test_chat_regenerates_and_leaves_no_files(smollm2_extraction):
 
 def check(server, model, layer_ids=None, hidden_size=None, api_key="same", **kwargs):
     """ensure_running against the running server, as a pipeline that did not start it."""
+    kwargs.setdefault("staging_dirs", [str(server.staging_dir)])
     return ensure_running(
         server.url, model=str(model),
         layer_ids=server.layer_ids if layer_ids is None else layer_ids,
