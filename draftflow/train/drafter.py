@@ -6,6 +6,7 @@ model and a loss function.
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from collections.abc import Callable
@@ -19,11 +20,19 @@ from torch import nn
 from draftflow.models import algorithm
 from draftflow.models.common import PackedBatch
 from draftflow.models.losses import LossOutput
-from draftflow.models.vocab import DraftVocab, build_draft_vocab, load_draft_vocab, save_draft_vocab
+from draftflow.models.vocab import (
+    CorruptDraftVocab,
+    DraftVocab,
+    build_draft_vocab,
+    load_draft_vocab,
+    save_draft_vocab,
+)
 from draftflow.paths import EXPORT_COMMAND, EXPORT_RECIPE
 from draftflow.plan import Plan
 from draftflow.recipe.redact import redact_args, redact_override, redacted_recipe
 from draftflow.train.batches import LayerSelection
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, PackedBatch, torch.Generator | None], LossOutput]
 
@@ -61,6 +70,8 @@ def draft_vocab(plan: Plan, *, storage_options: dict | None = None, write_cache:
                                 storage_options=storage_options)
     except FileNotFoundError:
         pass
+    except CorruptDraftVocab as err:  # derived data: rebuilt from the (checksummed) token counts
+        log.warning("%s", err)
     counts = counts_tensor(load_token_counts(plan.data, storage_options), plan.target.vocab_size)
     vocab = build_draft_vocab(counts, plan.target.vocab_size, size)
     if write_cache:
