@@ -41,7 +41,8 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
     try:
         prepare_data(recipe, overrides, store_block, vllm_block)
-        shards = plan_shards(recipe, overrides, store_block)["all"]
+        planned = plan_shards(recipe, overrides, store_block)
+        shards = planned["all"]
         args = (unmapped(recipe), unmapped(overrides), unmapped(ref["fingerprint"]))
         infra = (unmapped(store_block), unmapped(vllm_block))
         outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
@@ -53,7 +54,7 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
             again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
             redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
             outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
-        summary = shard_table(shards, outcomes, ref["shard_table_key"])
+        summary = shard_table(shards, outcomes, ref["shard_table_key"], planned["reasons"])
     except BaseException:
         server.stop()
         raise

@@ -62,21 +62,22 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
 
 
 @task(name="plan-shards", cache_policy=NO_CACHE, persist_result=False)  # reads live manifest state
-def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict[str, list[str]]:
-    """Every shard id of the train split, and those the manifest lacks (missing, failed, broken).
+def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict:
+    """Every shard id of the train split, those the manifest lacks (missing, failed, broken), and why.
 
     The manifest is the truth: a shard it lacks runs even when the cache says it completed
     (the store may have been wiped or pointed elsewhere); only shards it has may come from
-    the cache.
+    the cache. Shards are re-hashed when their objects changed since last verified (a same-size
+    bit flip changes the object's mtime / LastModified), so a corrupt shard is planned again.
     """
     infra = infra_mod.resolve(recipe, overrides, store_block, None)
     plan = infra_mod.plan_for(recipe, infra)
     store = Store(plan.data, infra.storage_options)
     n = len(expected_samples(plan, store))
     per = plan.recipe.extraction.samples_per_shard
-    todo = {p.shard_id for p in plan_extraction(plan, store, verify=False).to_generate}
+    todo = {p.shard_id: "; ".join(p.reasons) for p in plan_extraction(plan, store, verify="cached").to_generate}
     every = [shard_id(k) for k in range((n + per - 1) // per)]
-    return {"all": every, "missing": [s for s in every if s in todo]}
+    return {"all": every, "missing": [s for s in every if s in todo], "reasons": todo}
 
 
 def shard_cache_key(context, parameters: dict) -> str:
@@ -107,15 +108,19 @@ def extract_shard(recipe: str, overrides: list[str], fingerprint: str, shard: st
     if plan.fingerprint != fingerprint:
         raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
     result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard, infra.endpoints or plan.recipe.vllm.endpoints,
-                                 api_key=infra.api_key, storage_options=infra.storage_options)
+                                 api_key=infra.api_key, storage_options=infra.storage_options, verify="cached")
     return {"shard": shard, "skipped": result.skipped, "samples_ok": result.samples_ok,
             "samples_failed": result.samples_failed, "tokens": result.tokens,
             "failures": [list(f) for f in result.failures][:20]}
 
 
 @task(name="shard-table")
-def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: str) -> dict:
-    """The shard table artifact (done / failed / reason) and counts for the flow."""
+def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: str,
+                reasons: dict[str, str] | None = None) -> dict:
+    """The shard table artifact (done / failed / reason) and counts for the flow. `reasons`: why a
+    shard had to run (from plan-shards: missing, failed, corrupt); a shard that was in the store
+    but broken and has been extracted again shows as "regenerated"."""
+    reasons = reasons or {}
     rows, failed = [], 0
     for shard, outcome in zip(shards, outcomes):
         if isinstance(outcome, BaseException):
@@ -123,7 +128,10 @@ def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: st
             rows.append({"shard": shard, "status": "failed", "samples_ok": "", "reason": str(outcome)[:200]})
         else:
             status = "already in store" if outcome["skipped"] else "extracted"
-            reason = "; ".join(f"{s}: {r}" for s, r in outcome["failures"][:3])
+            why = reasons.get(shard, "")
+            if not outcome["skipped"] and "corrupt" in why:
+                status = "regenerated"
+            reason = "; ".join([why] * bool(why) + [f"{s}: {r}" for s, r in outcome["failures"][:3]])
             rows.append({"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason})
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}

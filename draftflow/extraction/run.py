@@ -20,12 +20,13 @@ from draftflow.extraction.shards import ShardResult, extract_shard, make_client,
 from draftflow.plan import Plan
 from draftflow.recipe.fingerprint import fingerprint_inputs
 from draftflow.store import PlannedShard, Store, reconcile
-from draftflow.vllm.client import VLLMClient
+from draftflow.vllm.client import RETRYABLE_STATUS_MIN, EndpointUnavailable, RequestFailed, VLLMClient
 from draftflow.vllm.hidden_states_file import sweep_stale
-from draftflow.vllm.server import ensure_running
+from draftflow.vllm.server import ensure_running, is_healthy
 
 _RECIPE = object()  # run_extraction(launch=...) default: take the recipe's vllm.launch
 _STALE_STAGING_S = 600.0
+_MAX_RESTARTS = 3  # server restarts per shard before the run gives up
 
 
 def run_extraction(
@@ -59,15 +60,19 @@ def run_extraction(
     )
     with handle:
         summary = run_coroutine(_extract_missing(
-            plan, store, handle.endpoints, api_key, tracker, verify, shards_in_flight or 2 * len(urls)
+            plan, store, handle.endpoints, api_key, tracker, verify, shards_in_flight or 2 * len(urls),
+            revive=handle.revive,
         ))
     return summary.with_server(bool(handle.started), tuple(handle.unverified))
 
 
 async def _extract_missing(
     plan: Plan, store: Store, endpoints: list[str], api_key: str | None, tracker: ProgressTracker,
-    verify: bool, shards_in_flight: int,
+    verify: bool, shards_in_flight: int, revive: Callable[[str], bool] | None = None,
 ) -> ExtractionSummary:
+    # Files of clients killed mid-request (never read, never deleted) go first, not only after
+    # a run that succeeds; only files far older than any request are touched.
+    early = await asyncio.to_thread(_sweep_staging, staging_folders(plan), plan.recipe.extraction.request_timeout_s)
     if not await asyncio.to_thread(is_prepared, store.layout, store.storage_options):
         tracker.stage("prepare", f"preparing data in {store.layout.prepared_dir}")
         await _prepare(plan, store, endpoints, api_key)
@@ -83,12 +88,23 @@ async def _extract_missing(
         async with make_client(plan, endpoints, api_key) as client:
             version = await client.version()
             limit = asyncio.Semaphore(shards_in_flight)
+            restarts = _Restarts(endpoints, revive)
 
             async def one(shard: PlannedShard) -> ShardResult:
-                async with limit:
-                    result = await extract_shard(
-                        plan, store, shard, client, vllm_version=version, train=train, on_sample=tracker.sample
-                    )
+                for attempt in itertools.count():
+                    seen = restarts.count
+                    try:
+                        async with limit:
+                            result = await extract_shard(
+                                plan, store, shard, client, vllm_version=version, train=train,
+                                on_sample=tracker.sample,
+                            )
+                        break
+                    except (EndpointUnavailable, RequestFailed) as err:
+                        # Nothing of the shard was committed: after a restart it runs again whole.
+                        server_side = isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
+                        if not server_side or attempt >= _MAX_RESTARTS or not await restarts.restart(seen):
+                            raise
                 tracker.shard_done(result)
                 return result
 
@@ -99,8 +115,31 @@ async def _extract_missing(
                 raise errors.exceptions[0] from None
             results = [t.result() for t in tasks]
             swept = await asyncio.to_thread(_sweep_staging, client.staging_dirs, plan.recipe.extraction.request_timeout_s)
+    swept += early
     tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
     return tracker.summary(store.layout.root, results, version)
+
+
+class _Restarts:
+    """Restarts dead endpoints once for all the shards that saw them die (they fail together)."""
+
+    def __init__(self, endpoints: list[str], revive: Callable[[str], bool] | None):
+        self.endpoints, self.revive = endpoints, revive
+        self.count = 0
+        self._lock = asyncio.Lock()
+
+    async def restart(self, seen: int) -> bool:
+        """True when the shard should run again (servers restarted, by this call or another)."""
+        if self.revive is None:
+            return False
+        async with self._lock:
+            if self.count != seen:
+                return True
+            for url in self.endpoints:
+                if not await asyncio.to_thread(is_healthy, url) and not await asyncio.to_thread(self.revive, url):
+                    return False
+            self.count += 1
+            return True
 
 
 def prepare_data(

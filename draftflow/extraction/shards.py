@@ -181,7 +181,7 @@ def extract_shard_by_id(
     api_key: str | None = None,
     storage_options: dict | None = None,
     *,
-    verify: bool = True,
+    verify: bool | str = True,
 ) -> ShardResult:
     """Extract one shard from small references (the Prefect shard task's body).
 

@@ -18,7 +18,7 @@ import atexit
 import logging
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from draftflow.vllm.client import (
     hidden_states_path,
     read_hidden_states,
 )
+from draftflow.vllm import lifecycle
 from draftflow.vllm.launch import LaunchSpec, ServerProcess
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ServerHandle:
     started: list[ServerProcess] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)  # checks that could not be made, one line each
     staging_dirs: list[str] = field(default_factory=list)  # the only folders whose files are read/deleted
+    # Starts (and checks) a server at a URL again; set when ensure_running had launch settings.
+    relaunch: Callable[[str], ServerProcess] | None = field(default=None, repr=False)
 
     @property
     def log_paths(self) -> list[str]:
@@ -79,6 +82,18 @@ class ServerHandle:
     def client(self, **kwargs: Any) -> VLLMClient:
         kwargs.setdefault("staging_dirs", self.staging_dirs)
         return VLLMClient(self.endpoints, api_key=self.api_key, **kwargs)
+
+    def revive(self, url: str) -> bool:
+        """Start the server at `url` again after it died mid-run (ours, or one adopted that
+        went away); False when there are no launch settings to do it with."""
+        if self.relaunch is None:
+            return False
+        for proc in [p for p in self.started if p.url.rstrip("/") == url.rstrip("/")]:
+            proc.stop()
+            self.started.remove(proc)
+        log.warning("vLLM at %s stopped answering; starting it again", url)
+        self.started.append(self.relaunch(url))
+        return True
 
     def stop(self) -> None:
         for proc in self.started:
@@ -119,9 +134,23 @@ def ensure_running(
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
     model = expand(model)
+    # A server a killed run left behind would otherwise pass as "not started by draftflow".
+    lifecycle.reap_orphans()
     handle = ServerHandle(endpoints=urls, api_key=api_key, staging_dirs=[expand(d) for d in staging_dirs])
     if launch is not None:
         handle.staging_dirs.append(expand(_launch_value(launch, "staging_dir", "/dev/shm/draftflow-hidden-states")))
+
+        def relaunch(url: str) -> ServerProcess:
+            proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
+            try:
+                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
+                               handle.staging_dirs)
+            except BaseException:
+                proc.stop()
+                raise
+            return proc
+
+        handle.relaunch = relaunch
     atexit.register(handle.stop)  # a crashed pipeline must not leave our servers running
     try:
         for url in urls:
