@@ -75,7 +75,7 @@ def bad_shards(store: Store, manifest: pa.Table) -> dict[str, str]:
         elif entry.size != shard["shard_bytes"]:
             bad[shard["shard_id"]] = f"size {entry.size} != manifest {shard['shard_bytes']}"
         else:
-            identity = _identity(url, entry.size, entry.mtime, shard["shard_sha256"])
+            identity = _identity(url, entry.size, entry.modified, shard["shard_sha256"])
             if identity not in known:
                 to_hash[shard["shard_id"]] = identity
     if to_hash:
