@@ -47,7 +47,6 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     TRAIN,
     CorruptPreparedData,
     EvalPrompt,
-    atomic_write,
     eval_prompts,
     is_prepared,
     load_prepared,
@@ -57,7 +56,6 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     publish_prepared,
     read_report,
     samples_table,
-    write_parquet,
 )
 from draftflow.data.regenerate import Generate, regenerate_conversations, run_coroutine
 from draftflow.data.sources import Conversation, read_source, source_label

@@ -77,13 +77,22 @@ class ServerRecord:
         return is_alive(self.pgid, self.server_started) or _group_alive(self.pgid)
 
 
-def record_launch(pgid: int, port: int, host: str, token: str, model: str, log_path: str | None) -> ServerRecord:
+def record_launch(
+    pgid: int, port: int, host: str, token: str, model: str, log_path: str | None
+) -> ServerRecord:
     folder = state_dir()
     folder.mkdir(parents=True, exist_ok=True)
     me = os.getpid()
     record = ServerRecord(
-        pgid=pgid, server_started=process_start_time(pgid), port=port, host=host, token=token, model=model,
-        launcher_pid=me, launcher_started=process_start_time(me), log_path=log_path,
+        pgid=pgid,
+        server_started=process_start_time(pgid),
+        port=port,
+        host=host,
+        token=token,
+        model=model,
+        launcher_pid=me,
+        launcher_started=process_start_time(me),
+        log_path=log_path,
         path=str(folder / f"{port}-{token}.json"),
     )
     tmp = record.path + f".tmp-{me}"
@@ -122,7 +131,11 @@ def reap_orphans(grace_s: float = 20.0) -> list[ServerRecord]:
         if record.server_alive():
             log.warning(
                 "stopping vLLM left running by a killed draftflow run (process group %d, port %d, launcher "
-                "pid %d gone; log %s)", record.pgid, record.port, record.launcher_pid, record.log_path,
+                "pid %d gone; log %s)",
+                record.pgid,
+                record.port,
+                record.launcher_pid,
+                record.log_path,
             )
             stop_group(record.pgid, grace_s)
             reaped.append(record)

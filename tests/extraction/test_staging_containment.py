@@ -57,8 +57,10 @@ class HostileEndpoint:
                 prompt = body["prompt"]
                 if self.headers.get("X-Request-Id", "").startswith("draftflow-probe"):
                     path = str(staging / f"probe-{len(prompt)}.safetensors")
-                    tensors = {"token_ids": torch.tensor(prompt, dtype=torch.int64),
-                               "hidden_states": torch.zeros(len(prompt), len(LAYER_IDS), HIDDEN)}
+                    tensors = {
+                        "token_ids": torch.tensor(prompt, dtype=torch.int64),
+                        "hidden_states": torch.zeros(len(prompt), len(LAYER_IDS), HIDDEN),
+                    }
                     Path(path).write_bytes(save_safetensors(tensors))
                     fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
                     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -66,8 +68,12 @@ class HostileEndpoint:
                 else:
                     owner.sample_requests += 1
                     path = next(owner.evil)
-                self._send({"choices": [{"text": "x", "prompt_token_ids": prompt}],
-                            "kv_transfer_params": {"hidden_states_path": path}})
+                self._send(
+                    {
+                        "choices": [{"text": "x", "prompt_token_ids": prompt}],
+                        "kv_transfer_params": {"hidden_states_path": path},
+                    }
+                )
 
             def log_message(self, *args):
                 pass
@@ -94,12 +100,23 @@ def test_paths_outside_staging_are_never_read_or_deleted(smollm2_dir: Path, tmp_
     key = plant(tmp_path / "home" / ".ssh" / "id_ed25519.safetensors", b"PRIVATE KEY")
     weights = plant(tmp_path / "models" / "target" / "model.safetensors", b"WEIGHTS")
     (staging / "link.safetensors").symlink_to(key)
-    evil = [str(key), str(weights), str(staging / "link.safetensors"),
-            str(staging / ".." / "models" / "target" / "model.safetensors")]
+    evil = [
+        str(key),
+        str(weights),
+        str(staging / "link.safetensors"),
+        str(staging / ".." / "models" / "target" / "model.safetensors"),
+    ]
     server = HostileEndpoint(str(smollm2_dir), staging, evil)
     try:
-        recipe = write_recipe_file(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), server.url,
-                                   str(staging), num_samples=8, eval_samples=0)
+        recipe = write_recipe_file(
+            tmp_path / "recipe.yaml",
+            smollm2_dir,
+            str(tmp_path / "store"),
+            server.url,
+            str(staging),
+            num_samples=8,
+            eval_samples=0,
+        )
         plan = Plan.load(recipe)
         summary = run_extraction(plan, launch=None)
     finally:
@@ -132,7 +149,11 @@ def test_sweep_skips_symlinks(tmp_path: Path):
     stale = plant(staging / "stale.safetensors", b"x")
     os.utime(stale, (0, 0))
     assert sweep_stale(str(staging), older_than_s=60) == 1
-    assert not stale.exists() and target.read_bytes() == b"WEIGHTS" and (staging / "old.safetensors").is_symlink()
+    assert (
+        not stale.exists()
+        and target.read_bytes() == b"WEIGHTS"
+        and (staging / "old.safetensors").is_symlink()
+    )
 
 
 @pytest.mark.parametrize("path", ["relative.safetensors", "/etc/passwd"])

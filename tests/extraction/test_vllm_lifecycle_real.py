@@ -68,10 +68,22 @@ def launch_run(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_path: Path
     home.mkdir()
     port = free_port()
     staging = tmp_path / "staging"
-    recipe = recipe_dict(smollm2_dir, str(tmp_path / "store"), f"http://127.0.0.1:{port}", str(staging),
-                         sources=[{"kind": "chatterbot", "max_samples": 400}], num_samples=100, eval_samples=4)
-    recipe["vllm"]["launch"] = {"python": vllm_python, "device": "cpu", "max_model_len": 1024,
-                                "staging_dir": str(staging), "startup_timeout_s": 600}
+    recipe = recipe_dict(
+        smollm2_dir,
+        str(tmp_path / "store"),
+        f"http://127.0.0.1:{port}",
+        str(staging),
+        sources=[{"kind": "chatterbot", "max_samples": 400}],
+        num_samples=100,
+        eval_samples=4,
+    )
+    recipe["vllm"]["launch"] = {
+        "python": vllm_python,
+        "device": "cpu",
+        "max_model_len": 1024,
+        "staging_dir": str(staging),
+        "startup_timeout_s": 600,
+    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     plan = Plan.load(str(path))
@@ -80,7 +92,9 @@ def launch_run(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_path: Path
 
     def start(log_name: str) -> subprocess.Popen:
         log = open(tmp_path / log_name, "w")
-        return subprocess.Popen([str(DRAFTFLOW), "extract", str(path)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [str(DRAFTFLOW), "extract", str(path)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
 
     run = type("LaunchRun", (), {})()
     run.plan, run.home, run.port, run.start, run.dir = plan, home, port, start, tmp_path
@@ -124,10 +138,14 @@ def test_cli_killed_five_times_leaves_no_server_and_the_data_intact(launch_run):
     store = Store(run.plan.data)
     landed = {"start-up": 0, "extraction": 0}
     for trial in range(KILLS):
-        proc = run.start(f"kill-{trial}.log")
-        # start-up first (lock, launch, health): a kill after the server answers lands in extraction
-        time.sleep(rng.uniform(5, 70))
-        landed["extraction" if healthy(run.port) else "start-up"] += 1
+        log = run.dir / f"kill-{trial}.log"
+        proc = run.start(log.name)
+        if trial % 2:  # during extraction: a random instant after the first shards went out
+            wait_for(lambda: "extract:" in log.read_text(), 900, "extraction", proc)
+            time.sleep(rng.uniform(0, 6))
+        else:  # anywhere from the lock and the launch to the first requests
+            time.sleep(rng.uniform(3, 60))
+        landed["extraction" if "extract:" in log.read_text() else "start-up"] += 1
         proc.kill()
         proc.wait()
         left = wait_until_gone(run.home)
@@ -139,8 +157,10 @@ def test_cli_killed_five_times_leaves_no_server_and_the_data_intact(launch_run):
     assert ids == run.expected and len(set(ids)) == len(ids)  # nothing lost, nothing twice
     assert verify(store).ok  # nothing corrupt
     assert wait_until_gone(run.home) == {} and records(run.home) == []
-    print(f"kill -9 of the CLI with a launched server: {KILLS} trials ({landed}), "
-          f"{len(ids)}/{len(run.expected)} samples, 0 lost, 0 duplicated, 0 corrupt, no server left")
+    print(
+        f"kill -9 of the CLI with a launched server: {KILLS} trials ({landed}), "
+        f"{len(ids)}/{len(run.expected)} samples, 0 lost, 0 duplicated, 0 corrupt, no server left"
+    )
 
 
 def test_orphan_is_stopped_not_adopted_and_a_server_killed_mid_run_is_restarted(launch_run):
@@ -159,12 +179,17 @@ def test_orphan_is_stopped_not_adopted_and_a_server_killed_mid_run_is_restarted(
     # 2. The next run stops that orphan instead of adopting it, launches its own on the port...
     second = run.start("second.log")
     wait_for(lambda: not set(orphans) & set(processes_of(run.home)), 120, "the orphan to be stopped", second)
-    new = wait_for(lambda: [r for r in records(run.home) if r["pgid"] != record["pgid"]], 600, "a new launch", second)
+    new = wait_for(
+        lambda: [r for r in records(run.home) if r["pgid"] != record["pgid"]], 600, "a new launch", second
+    )
     # 3. ...and when that server is killed mid-run, it starts it again and finishes the shards.
     wait_for(lambda: "extract:" in (run.dir / "second.log").read_text(), 600, "extraction", second)
     time.sleep(2)
-    server = [pid for pid, cmd in processes_of(run.home).items()
-              if "vllm.entrypoints" in cmd and os.getpgid(pid) == new[0]["pgid"]]
+    server = [
+        pid
+        for pid, cmd in processes_of(run.home).items()
+        if "vllm.entrypoints" in cmd and os.getpgid(pid) == new[0]["pgid"]
+    ]
     assert server, processes_of(run.home)
     os.kill(server[0], signal.SIGKILL)
     assert second.wait(timeout=900) == 0, (run.dir / "second.log").read_text()[-3000:]

@@ -16,14 +16,21 @@ from draftflow.store import Store, load_sample, read_manifest, verify
 pytestmark = pytest.mark.slow
 
 
-def test_flipped_bit_is_repaired_by_the_extract_flow(prefect_server, extraction_endpoint, prefect_staging_dir,
-                                                     smollm2_dir: Path, tmp_path: Path):
+def test_flipped_bit_is_repaired_by_the_extract_flow(
+    prefect_server, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+):
     from prefect.client.orchestration import get_client
 
     from flows.stages import extract
 
-    recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-bitflip", staging=str(prefect_staging_dir))
+    recipe = write_tiny_recipe(
+        tmp_path / "recipe.yaml",
+        smollm2_dir,
+        str(tmp_path / "store"),
+        extraction_endpoint,
+        name="prefect-bitflip",
+        staging=str(prefect_staging_dir),
+    )
     assert extract(recipe)["failed"] == 0
     store = Store(Plan.load(recipe).data)
     manifest = read_manifest(store)

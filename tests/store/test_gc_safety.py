@@ -24,8 +24,9 @@ def test_grace_counts_from_the_compaction_that_dropped_a_shard(local_store):
     reader_view = read_manifest(local_store)  # what a running trainer holds
     write_shard(local_store, "000000", [syn.sample("a"), syn.sample("b")], syn.info(), attempt=2)
     compact(local_store)
-    assert old.shard_url not in {local_store.layout.resolve_shard_key(u)
-                                 for u in read_manifest(local_store)["shard_uri"].to_pylist()}
+    assert old.shard_url not in {
+        local_store.layout.resolve_shard_key(u) for u in read_manifest(local_store)["shard_uri"].to_pylist()
+    }
 
     report = gc(local_store)  # default grace, right after the compaction
     assert report.orphan_shards == () and report.young_orphans_kept == 1

@@ -217,3 +217,19 @@ def test_handle_stops_the_server_it_started(smollm2_extraction):
         os.killpg(pid, 0)  # no process of its group (engine core, workers) is left
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_api_key_is_in_no_child_argv_and_store_secrets_in_no_child_env(smollm2_extraction):
+    """Every process of the launched server (watchdog, API server, engine): /proc/PID/cmdline
+    never holds the API key (any user can read it with ps); the environment has no store options."""
+    from draftflow.process_env import STORAGE_OPTIONS_ENV
+    from draftflow.vllm.lifecycle import group_members
+
+    [server] = smollm2_extraction.handle.started
+    members = group_members(server.pid)
+    assert len(members) >= 2  # the watchdog and vLLM at least
+    for pid in members:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read()
+        assert smollm2_extraction.api_key.encode() not in argv, argv
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        assert not any(v.startswith(STORAGE_OPTIONS_ENV.encode() + b"=") for v in environ)
