@@ -90,7 +90,7 @@ def decoded_result(blob: bytes) -> bytes:
 
 @pytest.mark.slow
 def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_server, s3, smollm2_dir: Path,
-                                    tiny_llama_dir: Path, tmp_path: Path):
+                                    tiny_llama_dir: Path, tmp_path: Path, prefect_staging_dir: Path):
     from prefect.client.orchestration import get_client
 
     secrets = {"s3 key id": planted("AKID"), "s3 secret": planted("s3-secret"), "vllm api key": planted("vllm-key"),
@@ -108,7 +108,8 @@ def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_ser
                           hf_token=secrets["hub token"]).save(names["dest"])
 
     recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "unused-store"),
-                               "http://127.0.0.1:9", name="prefect-secrets")  # endpoints and store: from the blocks
+                               "http://127.0.0.1:9", name="prefect-secrets",  # endpoints and store: from the blocks
+                               staging=str(prefect_staging_dir))
     publish_recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
     checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path / "ckpt", tau=1.5)
     runner = start_runner([
