@@ -43,6 +43,7 @@ LAYER_IDS = [2, 15, 27, 30]
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--endpoint", help="use this running extraction server instead of starting one")
+    p.add_argument("--staging-dir", default=None, help="the --endpoint server's staging folder")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--source", choices=["chitchat", "chatterbot"], default="chitchat")
     p.add_argument("--max-length", type=int, default=512)
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def write_recipe(args: argparse.Namespace, work: Path, endpoint: str) -> str:
+def write_recipe(args: argparse.Namespace, work: Path, endpoint: str, staging: str | None = None) -> str:
     recipe = {
         "name": "bench-extraction",
         "target": {"model": args.model},
@@ -62,7 +63,7 @@ def write_recipe(args: argparse.Namespace, work: Path, endpoint: str) -> str:
                  "eval_samples": 0, "max_length": args.max_length},
         "extraction": {"layer_ids": LAYER_IDS, "dtype": "float32", "store": str(work / "store"),
                        "samples_per_shard": args.samples_per_shard, "concurrency": args.concurrency},
-        "vllm": {"endpoints": [endpoint]},
+        "vllm": {"endpoints": [endpoint], **({"staging_dirs": [staging]} if staging else {})},
         "drafter": {"kind": "dflash"},
     }
     path = work / "recipe.yaml"
@@ -119,7 +120,7 @@ def main() -> int:
         if server is not None:
             server.wait_healthy(300)
             endpoint = server.url
-        recipe = write_recipe(args, work, endpoint)
+        recipe = write_recipe(args, work, endpoint, server.spec.staging_dir if server else args.staging_dir)
         plan = Plan.load(recipe)
         prepare_recipe(plan.recipe, plan.data)
         train = TrainSet.load(Store(plan.data))

@@ -34,6 +34,7 @@ _SHARDS = "shards"
 SHARD_SUFFIX = ".safetensors"
 ARROW_SUFFIX = ".arrow"
 TEMP_SUFFIX = ".tmp"
+DROPPED_SUFFIX = ".dropped.json"
 
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -132,6 +133,10 @@ class DataLayout:
 
     def compacted(self, stamp: str) -> str:
         return join(self.compacted_dir, f"{safe_component(stamp)}{ARROW_SUFFIX}")
+
+    def dropped_record(self, stamp: str) -> str:
+        """Which shard objects a compaction stopped referencing; its mtime starts their gc grace."""
+        return join(self.compacted_dir, f"{safe_component(stamp)}{DROPPED_SUFFIX}")
 
     def draft_vocab(self, size: int) -> str:
         return join(self.root, "vocab", f"draft-vocab-{int(size)}.safetensors")

@@ -29,10 +29,11 @@ import pyarrow as pa
 
 from draftflow import paths
 from draftflow.async_run import run_coroutine
-from draftflow.extraction import ShardResult, extract_samples, extract_shard, make_client, train_set
+from draftflow.extraction import ShardResult, extract_samples, extract_shard, make_client, plan_shard, train_set
 from draftflow.plan import Plan
 from draftflow.process_env import storage_options_from_env, vllm_api_key_from_env
 from draftflow.store import (
+    CorruptShardError,
     FailedSample,
     PlannedShard,
     Reconciliation,
@@ -134,8 +135,32 @@ class SampleSource:
             got = self._generate_missing(ids) if self.mode == "hybrid" else {}
             for sid in ids:
                 if sid not in got:
-                    got[sid] = load_sample(self.store, self._rows[sid], sid, verify=self.verify)
+                    got[sid] = self._load_stored(sid, ids, got)
         return [got[sid] for sid in ids]
+
+    def _load_stored(self, sid: str, ids: list[str], got: dict[str, Sample]) -> Sample:
+        """One stored sample; a shard found corrupt here (a same-size bit flip that the size-only
+        index could not see) is regenerated in hybrid mode, and named with its repair in offline."""
+        try:
+            return load_sample(self.store, self._rows[sid], sid, verify=self.verify)
+        except CorruptShardError as err:
+            shard = self._shard_of(sid)
+            if self.mode != "hybrid":
+                raise CorruptShardError(
+                    f"shard {shard} of {self.plan.data.root} is corrupt ({err}); repair it with `draftflow extract "
+                    f"{self.plan.recipe_path}` (re-hashes the shards and re-extracts corrupt ones), or set "
+                    "extraction.mode=hybrid to regenerate it during training"
+                ) from None
+        with self._lock:
+            planned = plan_shard(self.plan, self.store, shard, verify=True)
+            if planned is None:  # another rank regenerated it meanwhile: read the new commit
+                self._index_store()
+                return load_sample(self.store, self._rows[sid], sid, verify=self.verify)
+            self._pending[shard] = planned
+            for other in [s for s, _ in self.items() if self._shard_of(s) == shard]:
+                self._rows.pop(other, None)
+        got.update(self._generate_missing(ids))
+        return got[sid]
 
     def prefetch(self, batches: Iterable[Sequence[str]], depth: int = 2) -> Prefetcher:
         """Iterate over ``load(batch)`` for each batch, loading up to ``depth`` batches ahead."""

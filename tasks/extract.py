@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from draftflow.data.dataset import read_report
 from draftflow.extraction import expected_samples, extract_shard_by_id, plan_extraction
 from draftflow.extraction.run import prepare_data as prepare_data_core
+from draftflow.extraction.shards import staging_folders
 from draftflow.paths import shard_id
 from draftflow.store import Store
 from draftflow.store.fp8 import server_dtype
@@ -45,7 +46,7 @@ def check_or_start_vllm(recipe: str, overrides: list[str], store_block: str | No
         infra.endpoints or r.vllm.endpoints, model=plan.target_model, layer_ids=plan.layer_ids,
         hidden_size=plan.target.hidden_size, api_key=infra.api_key,
         launch=infra.launch if infra.launch_from_block else r.vllm.launch,
-        dtype=server_dtype(r.extraction.dtype),
+        dtype=server_dtype(r.extraction.dtype), staging_dirs=staging_folders(plan),
     )
     for note in handle.unverified:
         get_run_logger().warning(note)
@@ -64,21 +65,22 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
 
 
 @task(name="plan-shards", cache_policy=NO_CACHE, persist_result=False)  # reads live manifest state
-def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict[str, list[str]]:
-    """Every shard id of the train split, and those the manifest lacks (missing, failed, broken).
+def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict:
+    """Every shard id of the train split, those the manifest lacks (missing, failed, broken), and why.
 
     The manifest is the truth: a shard it lacks runs even when the cache says it completed
     (the store may have been wiped or pointed elsewhere); only shards it has may come from
-    the cache.
+    the cache. Shards are re-hashed when their objects changed since last verified (a same-size
+    bit flip changes the object's mtime / LastModified), so a corrupt shard is planned again.
     """
     infra = infra_mod.resolve(recipe, overrides, store_block, None)
     plan = infra_mod.plan_for(recipe, infra)
     store = Store(plan.data, infra.storage_options)
     n = len(expected_samples(plan, store))
     per = plan.recipe.extraction.samples_per_shard
-    todo = {p.shard_id for p in plan_extraction(plan, store, verify=False).to_generate}
+    todo = {p.shard_id: "; ".join(p.reasons) for p in plan_extraction(plan, store, verify="cached").to_generate}
     every = [shard_id(k) for k in range((n + per - 1) // per)]
-    return {"all": every, "missing": [s for s in every if s in todo]}
+    return {"all": every, "missing": [s for s in every if s in todo], "reasons": todo}
 
 
 def shard_cache_key(context, parameters: dict) -> str:
@@ -109,15 +111,19 @@ def extract_shard(recipe: str, overrides: list[str], fingerprint: str, shard: st
     if plan.fingerprint != fingerprint:
         raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
     result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard, infra.endpoints or plan.recipe.vllm.endpoints,
-                                 api_key=infra.api_key, storage_options=infra.storage_options)
+                                 api_key=infra.api_key, storage_options=infra.storage_options, verify="cached")
     return {"shard": shard, "skipped": result.skipped, "samples_ok": result.samples_ok,
             "samples_failed": result.samples_failed, "tokens": result.tokens,
             "failures": [list(f) for f in result.failures][:20]}
 
 
 @task(name="shard-table")
-def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: str) -> dict:
-    """The shard table artifact (done / failed / reason) and counts for the flow."""
+def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: str,
+                reasons: dict[str, str] | None = None) -> dict:
+    """The shard table artifact (done / failed / reason) and counts for the flow. `reasons`: why a
+    shard had to run (from plan-shards: missing, failed, corrupt); a shard that was in the store
+    but broken and has been extracted again shows as "regenerated"."""
+    reasons = reasons or {}
     rows, failed = [], 0
     for shard, outcome in zip(shards, outcomes):
         if isinstance(outcome, BaseException):
@@ -125,20 +131,25 @@ def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: st
             rows.append({"shard": shard, "status": "failed", "samples_ok": "", "reason": str(outcome)[:200]})
         else:
             status = "already in store" if outcome["skipped"] else "extracted"
-            reason = "; ".join(f"{s}: {r}" for s, r in outcome["failures"][:3])
+            why = reasons.get(shard, "")
+            if not outcome["skipped"] and "corrupt" in why:
+                status = "regenerated"
+            reason = "; ".join([why] * bool(why) + [f"{s}: {r}" for s, r in outcome["failures"][:3]])
             rows.append({"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason})
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}
 
 
 def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, store_block: str | None,
-                        vllm_block: str | None) -> tuple[list[str], list[dict | BaseException]]:
-    """One mapped extract-shard task per shard (call it from a flow), and each shard's outcome.
+                        vllm_block: str | None) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
+    """One mapped extract-shard task per shard (call it from a flow), each shard's outcome, and why
+    each shard had to run (plan-shards' reasons).
 
     The manifest is the truth: a shard it still lacks although its task "succeeded" came from a
     stale cache (store wiped or moved) and runs again, ignoring the cache.
     """
-    shards = plan_shards(recipe, overrides, store_block)["all"]
+    planned = plan_shards(recipe, overrides, store_block)
+    shards = planned["all"]
     args = (unmapped(recipe), unmapped(overrides), unmapped(fingerprint))
     infra = (unmapped(store_block), unmapped(vllm_block))
     outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
@@ -148,7 +159,7 @@ def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, sto
         again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
         redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
         outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
-    return shards, outcomes
+    return shards, outcomes, planned["reasons"]
 
 
 def fail_on_failed_shards(summary: dict) -> None:

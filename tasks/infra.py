@@ -38,6 +38,9 @@ def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_blo
         infra.api_key = block.api_key_value()
         infra.launch = settings.launch
         infra.launch_from_block = True
+        if settings.launch is not None:
+            # The shard tasks plan from the recipe: they must accept the block's staging folder too.
+            infra.overrides.append(f"vllm.staging_dirs={json.dumps([settings.launch.staging_dir])}")
     return infra
 
 
@@ -47,6 +50,7 @@ def plan_for(recipe: str, infra: Infra) -> Plan:
 
 def subprocess_env(infra: Infra) -> dict[str, str]:
     """Settings for a subprocess (torchrun) through the environment, not its command line."""
+
     env = {}
     if infra.storage_options:
         env[STORAGE_OPTIONS_ENV] = json.dumps(infra.storage_options)

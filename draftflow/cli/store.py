@@ -136,8 +136,13 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from draftflow.store import gc
+    from draftflow.store.writer import MIN_GC_GRACE_S
 
     store, _ = _open(args)
+    if args.grace_s is not None and args.grace_s < MIN_GC_GRACE_S:
+        print(f"error: --grace-s {args.grace_s:.0f} is below the minimum {MIN_GC_GRACE_S:.0f}s: shards uploaded "
+              "but not yet committed, or read by a running trainer, could be deleted", file=sys.stderr)
+        return 2
     kwargs = {} if args.grace_s is None else {"grace_s": args.grace_s}
     report = gc(store, dry_run=args.dry_run, **kwargs)
     verb = "would delete" if args.dry_run else "deleted"

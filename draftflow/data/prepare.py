@@ -45,17 +45,17 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     SAMPLES_SCHEMA,
     TOKEN_COUNTS_SCHEMA,
     TRAIN,
+    CorruptPreparedData,
     EvalPrompt,
-    atomic_write,
     eval_prompts,
     is_prepared,
     load_prepared,
     load_token_counts,
     loss_token_counts,
     prompt_messages,
+    publish_prepared,
     read_report,
     samples_table,
-    write_parquet,
 )
 from draftflow.async_run import run_coroutine
 from draftflow.data.regenerate import Generate, regenerate_conversations
@@ -67,7 +67,8 @@ from draftflow.recipe.schema import DataSection, Recipe
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "EVAL", "SAMPLES_SCHEMA", "TOKEN_COUNTS_SCHEMA", "TRAIN", "Candidate", "EvalPrompt", "Prepared",
+    "EVAL", "SAMPLES_SCHEMA", "TOKEN_COUNTS_SCHEMA", "TRAIN", "Candidate", "CorruptPreparedData", "EvalPrompt",
+    "Prepared",
     "aprepare", "eval_prompts", "is_prepared", "load_prepared", "load_token_counts", "loss_token_counts",
     "prepare", "prepare_recipe", "prompt_messages", "read_report", "sample_id", "select_conversations",
 ]
@@ -197,11 +198,11 @@ async def aprepare(
             [c.messages for c in candidates], generate, data.regenerate_max_tokens,
             data.regenerate_concurrency, regenerate_timeout_s,
         )
-    report = await asyncio.to_thread(
+    report, wrote = await asyncio.to_thread(
         _encode_and_write, data, layout, encoder, candidates, outcomes, source_stats, regenerate_errors,
         storage_options,
     )
-    return Prepared(layout, report, reused=False)
+    return Prepared(layout, report, reused=not wrote)
 
 
 def prepare(
@@ -294,12 +295,14 @@ def _encode_and_write(
         "regenerate_errors": regenerate_errors,
     }
     counts_table = pa.table({"token_id": list(counts), "count": list(counts.values())}, schema=TOKEN_COUNTS_SCHEMA)
-    write_parquet(layout.samples, samples_table(rows), storage_options)
-    write_parquet(layout.token_counts, counts_table, storage_options)
-    blob = json.dumps(report, indent=2, sort_keys=True).encode("utf-8")
-    atomic_write(layout.prepare_report, storage_options, lambda f: f.write(blob))  # last: marks completion
-    log.info("prepared %s train / %s eval samples in %s", split_counts[TRAIN], split_counts[EVAL], layout.prepared_dir)
-    return report
+    # Written once: another preparation on this fingerprint may have finished meanwhile (its
+    # extraction reads those files), then its report is returned and nothing is rewritten.
+    report, wrote = publish_prepared(layout, samples_table(rows), counts_table, report, storage_options)
+    if wrote:
+        log.info("prepared %s train / %s eval samples in %s", split_counts[TRAIN], split_counts[EVAL], layout.prepared_dir)
+    else:
+        log.warning("%s was prepared by another run meanwhile: using its files", layout.prepared_dir)
+    return report, wrote
 
 
 def prepare_recipe(

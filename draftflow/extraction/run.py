@@ -15,18 +15,19 @@ from draftflow.data.prepare import aprepare
 from draftflow.async_run import run_coroutine
 from draftflow.extraction.progress import ExtractionProgress, ExtractionSummary, ProgressTracker
 from draftflow.extraction.samples import train_set
-from draftflow.extraction.shards import ShardResult, extract_shard, make_client
+from draftflow.extraction.shards import ShardResult, extract_shard, make_client, staging_folders
 from draftflow.plan import Plan
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.recipe.fingerprint import fingerprint_inputs
 from draftflow.store import PlannedShard, Store, reconcile
 from draftflow.store.fp8 import server_dtype
-from draftflow.vllm.client import VLLMClient
+from draftflow.vllm.client import RETRYABLE_STATUS_MIN, EndpointUnavailable, RequestFailed, VLLMClient
 from draftflow.vllm.hidden_states_file import sweep_stale
-from draftflow.vllm.server import ensure_running
+from draftflow.vllm.server import ensure_running, is_healthy
 
 _RECIPE = object()  # run_extraction(launch=...) default: take the recipe's vllm.launch
 _STALE_STAGING_S = 600.0
+_MAX_RESTARTS = 3  # server restarts per shard before the run gives up
 
 
 def run_extraction(
@@ -57,19 +58,23 @@ def run_extraction(
         api_key=api_key, launch=recipe.vllm.launch if launch is _RECIPE else launch,
         # The server computes in the stored dtype, so what is stored is what it computed
         # (FP8: in bf16, quantised when the shard is written).
-        dtype=server_dtype(recipe.extraction.dtype), log_dir=log_dir,
+        dtype=server_dtype(recipe.extraction.dtype), log_dir=log_dir, staging_dirs=staging_folders(plan),
     )
     with handle:
         summary = run_coroutine(_extract_missing(
-            plan, store, handle.endpoints, api_key, tracker, verify, shards_in_flight or 2 * len(urls)
+            plan, store, handle.endpoints, api_key, tracker, verify, shards_in_flight or 2 * len(urls),
+            revive=handle.revive,
         ))
     return summary.with_server(bool(handle.started), tuple(handle.unverified))
 
 
 async def _extract_missing(
     plan: Plan, store: Store, endpoints: list[str], api_key: str | None, tracker: ProgressTracker,
-    verify: bool, shards_in_flight: int,
+    verify: bool, shards_in_flight: int, revive: Callable[[str], bool] | None = None,
 ) -> ExtractionSummary:
+    # Files of clients killed mid-request (never read, never deleted) go first, not only after
+    # a run that succeeds; only files far older than any request are touched.
+    early = await asyncio.to_thread(_sweep_staging, staging_folders(plan), plan.recipe.extraction.request_timeout_s)
     if not await asyncio.to_thread(is_prepared, store.layout, store.storage_options):
         tracker.stage("prepare", f"preparing data in {store.layout.prepared_dir}")
         await _prepare(plan, store, endpoints, api_key)
@@ -85,12 +90,23 @@ async def _extract_missing(
         async with make_client(plan, endpoints, api_key) as client:
             version = await client.version()
             limit = asyncio.Semaphore(shards_in_flight)
+            restarts = _Restarts(endpoints, revive)
 
             async def one(shard: PlannedShard) -> ShardResult:
-                async with limit:
-                    result = await extract_shard(
-                        plan, store, shard, client, vllm_version=version, train=train, on_sample=tracker.sample
-                    )
+                for attempt in itertools.count():
+                    seen = restarts.count
+                    try:
+                        async with limit:
+                            result = await extract_shard(
+                                plan, store, shard, client, vllm_version=version, train=train,
+                                on_sample=tracker.sample,
+                            )
+                        break
+                    except (EndpointUnavailable, RequestFailed) as err:
+                        # Nothing of the shard was committed: after a restart it runs again whole.
+                        server_side = isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
+                        if not server_side or attempt >= _MAX_RESTARTS or not await restarts.restart(seen):
+                            raise
                 tracker.shard_done(result)
                 return result
 
@@ -100,9 +116,32 @@ async def _extract_missing(
             except* Exception as errors:  # committed shards stay; a rerun does the rest
                 raise errors.exceptions[0] from None
             results = [t.result() for t in tasks]
-            swept = await asyncio.to_thread(_sweep_staging, client, plan.recipe.extraction.request_timeout_s)
+            swept = await asyncio.to_thread(_sweep_staging, client.staging_dirs, plan.recipe.extraction.request_timeout_s)
+    swept += early
     tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
     return tracker.summary(store.layout.root, results, version)
+
+
+class _Restarts:
+    """Restarts dead endpoints once for all the shards that saw them die (they fail together)."""
+
+    def __init__(self, endpoints: list[str], revive: Callable[[str], bool] | None):
+        self.endpoints, self.revive = endpoints, revive
+        self.count = 0
+        self._lock = asyncio.Lock()
+
+    async def restart(self, seen: int) -> bool:
+        """True when the shard should run again (servers restarted, by this call or another)."""
+        if self.revive is None:
+            return False
+        async with self._lock:
+            if self.count != seen:
+                return True
+            for url in self.endpoints:
+                if not await asyncio.to_thread(is_healthy, url) and not await asyncio.to_thread(self.revive, url):
+                    return False
+            self.count += 1
+            return True
 
 
 def prepare_data(
@@ -136,7 +175,7 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
     per_endpoint = math.ceil(data.regenerate_concurrency / len(endpoints))
     async with VLLMClient(
         endpoints, api_key=api_key, concurrency=per_endpoint, retries=plan.recipe.extraction.request_retries,
-        timeout_s=plan.recipe.extraction.request_timeout_s,
+        timeout_s=plan.recipe.extraction.request_timeout_s, staging_dirs=staging_folders(plan),
     ) as client:
         turn = itertools.cycle(client.endpoints)
 
@@ -161,8 +200,9 @@ def _write_fingerprint(plan: Plan, store: Store) -> None:
     store.write_atomic(store.layout.fingerprint_file, lambda f: f.write(blob))
 
 
-def _sweep_staging(client: VLLMClient, request_timeout_s: float) -> int:
+def _sweep_staging(staging_dirs: Sequence[str], request_timeout_s: float) -> int:
     """Remove staging files that killed runs left (their clients never read them). Only files
-    far older than any request can be are touched, and only in folders the servers named."""
+    far older than any request can be are touched, and only in the configured staging folders
+    (never in one a server's answer named)."""
     older_than_s = max(_STALE_STAGING_S, 2 * request_timeout_s)
-    return sum(sweep_stale(folder, older_than_s) for folder in sorted(client.staging_dirs) if os.path.isdir(folder))
+    return sum(sweep_stale(folder, older_than_s) for folder in sorted(set(staging_dirs)) if os.path.isdir(folder))

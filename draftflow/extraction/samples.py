@@ -81,13 +81,13 @@ def expected_samples(plan: Plan, store: Store | None = None) -> list[ExpectedSam
     return train_set(_store(plan, store)).expected()
 
 
-def plan_extraction(plan: Plan, store: Store | None = None, *, verify: bool = True) -> Reconciliation:
+def plan_extraction(plan: Plan, store: Store | None = None, *, verify: bool | str = True) -> Reconciliation:
     """What is present, missing, failed or corrupt, and the shards to (re)generate."""
     store = _store(plan, store)
     return reconcile(store, expected_samples(plan, store), plan.recipe.extraction.samples_per_shard, verify=verify)
 
 
-def plan_shard(plan: Plan, store: Store, shard_id: str, *, verify: bool = True) -> PlannedShard | None:
+def plan_shard(plan: Plan, store: Store, shard_id: str, *, verify: bool | str = True) -> PlannedShard | None:
     """The plan for one shard id, or None when it is already complete (only that shard is read)."""
     expected = expected_samples(plan, store)
     per_shard = plan.recipe.extraction.samples_per_shard

@@ -21,6 +21,7 @@ from draftflow.async_run import run_coroutine
 from draftflow.extraction.faults import injected_fault
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
 from draftflow.plan import Plan
+from draftflow.recipe.load import expand
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
 from draftflow.store.shard import as_stored
 from draftflow.vllm.client import InvalidHiddenStates, RequestFailed, VLLMClient, VLLMError
@@ -66,7 +67,13 @@ def make_client(plan: Plan, endpoints: Sequence[str], api_key: str | None = None
     return VLLMClient(
         list(endpoints), api_key=api_key, concurrency=x.concurrency, retries=x.request_retries,
         timeout_s=x.request_timeout_s, num_layers=len(plan.layer_ids), hidden_size=plan.target.hidden_size,
+        staging_dirs=staging_folders(plan),
     )
+
+
+def staging_folders(plan: Plan) -> list[str]:
+    """The recipe's staging folders, expanded: the only places a server-named file is touched."""
+    return [expand(d) for d in plan.recipe.vllm.staging_folders()]
 
 
 def sample_failure(err: VLLMError) -> str | None:
@@ -176,7 +183,7 @@ def extract_shard_by_id(
     api_key: str | None = None,
     storage_options: dict | None = None,
     *,
-    verify: bool = True,
+    verify: bool | str = True,
 ) -> ShardResult:
     """Extract one shard from small references (the Prefect shard task's body).
 

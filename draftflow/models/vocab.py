@@ -104,17 +104,21 @@ def build_draft_vocab(
 def save_draft_vocab(vocab: DraftVocab, path: str, *, fingerprint: str = "",
                      storage_options: dict | None = None) -> None:
     """Write d2t/t2d as safetensors (local path or fsspec URL) with size + fingerprint metadata."""
-    import fsspec
     from safetensors.torch import save
 
+    from draftflow.data.dataset import atomic_write
+
+    tensors = {"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}
     metadata = {
         "draft_vocab_size": str(vocab.draft_vocab_size),
         "target_vocab_size": str(vocab.target_vocab_size),
         "fingerprint": fingerprint,
+        "tensors_sha256": _tensors_digest(tensors),
     }
-    data = save({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, metadata=metadata)
-    with fsspec.open(path, "wb", auto_mkdir=True, **(storage_options or {})) as f:
-        f.write(data)
+    data = save(tensors, metadata=metadata)
+    # Temp + rename (one complete object on object stores): a kill mid-write leaves the old
+    # file or none, never a torn one that every later run would trip over.
+    atomic_write(path, storage_options, lambda f: f.write(data))
 
 
 def load_draft_vocab(
@@ -130,14 +134,38 @@ def load_draft_vocab(
 
     with fsspec.open(path, "rb", **(storage_options or {})) as f:
         data = f.read()
-    tensors = load(data)
+    try:
+        tensors = load(data)
+        metadata = _metadata(data)
+    except Exception as err:  # a torn or garbled header
+        raise CorruptDraftVocab(f"{path}: unreadable draft-vocab file ({err})") from None
+    recorded = metadata.get("tensors_sha256")
+    if recorded is None or recorded != _tensors_digest(tensors):
+        raise CorruptDraftVocab(
+            f"{path}: d2t/t2d do not match the sha256 recorded when the file was written"
+            + (" (none recorded)" if recorded is None else "") + "; it is rebuilt from the token counts"
+        )
     vocab = DraftVocab(tensors["d2t"].long(), tensors["t2d"].bool())
-    metadata = _metadata(data)
     if draft_vocab_size is not None and vocab.draft_vocab_size != draft_vocab_size:
         raise ValueError(f"{path}: draft vocab has {vocab.draft_vocab_size} tokens, expected {draft_vocab_size}")
     if fingerprint is not None and metadata.get("fingerprint") != fingerprint:
         raise ValueError(f"{path}: built from data {metadata.get('fingerprint')!r}, expected {fingerprint!r}")
     return vocab
+
+
+class CorruptDraftVocab(ValueError):
+    """A cached draft-vocab file whose tensors are not the ones written (bit flip, torn write)."""
+
+
+def _tensors_digest(tensors: Mapping[str, Tensor]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def _metadata(data: bytes) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from draftflow.recipe.redact import redact_override
 from draftflow.recipe.schema import DRAFTER_SECTIONS, Recipe
 
 
@@ -46,7 +47,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise RecipeError(f"--set {item!r}: value is not valid YAML ({err.problem})") from None
+        # The value itself is not echoed when it may be a secret (launch env, --api-key, ...).
+        raise RecipeError(f"--set {redact_override(item)!r}: value is not valid YAML ({err.problem})") from None
     return key.strip().split("."), value
 
 

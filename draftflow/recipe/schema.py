@@ -133,6 +133,19 @@ class VLLMSection(Section):
 
     endpoints: list[str] = Field(["http://127.0.0.1:8000"], min_length=1)
     launch: VLLMLaunchSection | None = None
+    staging_dirs: list[str] = Field(
+        default_factory=list,
+        description="Folders the servers write hidden-state files to (seen from this host). draftflow "
+        "reads and deletes files only inside these and launch.staging_dir; a file a server names "
+        "anywhere else fails that sample and is left untouched.",
+    )
+
+    def staging_folders(self) -> list[str]:
+        """Every folder a server may name hidden-state files in (unexpanded): the listed ones,
+        plus the launch section's staging_dir, or its default when there is no launch section
+        (a server started by hand following the docs writes there)."""
+        launch_dir = (self.launch or VLLMLaunchSection()).staging_dir
+        return list(dict.fromkeys([*self.staging_dirs, launch_dir]))
 
 
 class DFlashSection(Section):

@@ -54,7 +54,7 @@ class Store:
     """One fingerprinted data folder on some fsspec backend, with the options to reach it."""
 
     layout: DataLayout
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)  # holds credentials
 
     @classmethod
     def at(cls, root: str, storage_options: dict[str, Any] | None = None) -> Store:

@@ -24,6 +24,7 @@ answer as resolving everything at once — which is what makes compaction safe.
 from __future__ import annotations
 
 import io
+import json
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -208,8 +209,15 @@ def compact(store: Store) -> str | None:
     for entry in inputs:
         if isinstance(got[entry.url], Exception):
             raise OSError(f"cannot read manifest file {entry.url}: {got[entry.url]}") from got[entry.url]
-    merged = resolve(pa.concat_tables([empty()] + [from_ipc_bytes(got[e.url]) for e in inputs]))
+    raw = pa.concat_tables([empty()] + [from_ipc_bytes(got[e.url]) for e in inputs])
+    merged = resolve(raw)
     stamp = f"{datetime.now(UTC):%Y%m%dT%H%M%S%fZ}-{new_token()}"
+    # Shards this compaction stops referencing (losing commits): recorded before the merge is
+    # visible, so gc's grace for them starts now, not at their (possibly old) upload.
+    dropped = sorted(set(raw["shard_uri"].to_pylist()) - set(merged["shard_uri"].to_pylist()))
+    if dropped:
+        record = json.dumps({"shard_uris": dropped}).encode()
+        store.write_atomic(layout.dropped_record(stamp), lambda f: f.write(record))
     url = layout.compacted(stamp)
     data = to_ipc_bytes(merged)
     store.write_atomic(url, lambda f: f.write(data))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import pyarrow as pa
 
@@ -76,12 +77,13 @@ def reconcile(
     samples_per_shard: int,
     *,
     manifest: pa.Table | None = None,
-    verify: bool = True,
+    verify: bool | Literal["cached"] = True,
 ) -> Reconciliation:
     """Classify each expected sample and plan the incomplete shards (see module docstring).
 
     ``verify=True`` re-hashes every listed shard (reads them all); with ``False`` only the
-    objects' presence and sizes are checked (one listing).
+    objects' presence and sizes are checked (one listing); ``"cached"`` hashes only objects
+    not verified before in their current form (:mod:`draftflow.store.verify_cache`).
     """
     if samples_per_shard < 1:
         raise ValueError("samples_per_shard must be >= 1")
@@ -150,8 +152,12 @@ def reconcile(
     )
 
 
-def _bad_shards(store: Store, manifest: pa.Table, verify: bool) -> dict[str, str]:
+def _bad_shards(store: Store, manifest: pa.Table, verify: bool | Literal["cached"]) -> dict[str, str]:
     """shard_id -> problem, for listed shards whose object is missing, truncated or (verify) corrupt."""
+    if verify == "cached":
+        from draftflow.store.verify_cache import bad_shards
+
+        return bad_shards(store, manifest)
     if verify:
         return {b.shard_id: b.reason for b in verify_shards(store, manifest).bad}
     sizes = {e.url: e.size for e in store.list(store.layout.shards_dir, paths.SHARD_SUFFIX)}

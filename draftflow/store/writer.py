@@ -52,6 +52,10 @@ from draftflow.store.shard import (
 # about to be committed.
 COMMIT_DEADLINE_S = 3600.0
 GC_GRACE_S = 6 * 3600.0
+# Clocks of writers, compactors and the store may disagree by this much; gc never goes below
+# the commit deadline plus this margin.
+CLOCK_SKEW_MARGIN_S = 600.0
+MIN_GC_GRACE_S = COMMIT_DEADLINE_S + CLOCK_SKEW_MARGIN_S
 
 
 class CommitTooLate(RuntimeError):
@@ -224,10 +228,20 @@ def gc(
     """Delete shard objects no fragment references, and leftover temp files, older than ``grace_s``.
 
     Objects are listed *before* the manifest is read: a shard committed in between is then
-    seen as referenced. A shard whose fragment is still to come is protected by the grace
-    period, which must exceed the writers' commit deadline. Losing fragments of a shard keep
-    their shard objects until :func:`draftflow.store.manifest.compact` drops them.
+    seen as referenced. The grace counts from when an object stopped being referenced: for a
+    shard whose commit lost (dropped by :func:`draftflow.store.manifest.compact`), from that
+    compaction (its dropped record), since a trainer that read the manifest before may still
+    read it; for a shard never committed, from its upload, so a writer within its commit
+    deadline keeps it. Every age is measured on the store's clock (``now`` defaults to the
+    modification time of an object written just now), so a skewed host clock changes nothing.
+    ``grace_s`` below :data:`MIN_GC_GRACE_S` is refused.
     """
+    if grace_s < MIN_GC_GRACE_S:
+        raise ValueError(
+            f"gc grace {grace_s:.0f}s is below the minimum {MIN_GC_GRACE_S:.0f}s (writers' commit deadline "
+            f"{COMMIT_DEADLINE_S:.0f}s + clock-skew margin {CLOCK_SKEW_MARGIN_S:.0f}s): a shard uploaded but not "
+            "yet committed, or one a running trainer still reads, could be deleted"
+        )
     layout = store.layout
     objects = store.list(layout.shards_dir, paths.SHARD_SUFFIX)
     temps = [
@@ -236,14 +250,38 @@ def gc(
         for e in store.list(folder, paths.TEMP_SUFFIX, include_temp=True)
         if paths.is_temp_name(e.name)
     ]
+    records = store.list(layout.compacted_dir, paths.DROPPED_SUFFIX)
+    dropped_at: dict[str, float] = {}
+    dropped_by: dict[str, list[str]] = {}
+    for record in records:
+        uris = json.loads(store.read_all(record.url))["shard_uris"]
+        dropped_by[record.url] = [layout.resolve_shard_key(u) for u in uris]
+        for url in dropped_by[record.url]:
+            dropped_at[url] = max(dropped_at.get(url, 0.0), record.modified)
     referenced = {layout.resolve_shard_key(key) for key in set(read_raw(store)["shard_uri"].to_pylist())}
-    now = time.time() if now is None else now
+    now = store_clock(store) if now is None else now
     orphans = [e for e in objects if e.url not in referenced]
-    old_orphans = [e for e in orphans if now - e.modified > grace_s]
+    old_orphans = [e for e in orphans if now - max(e.modified, dropped_at.get(e.url, 0.0)) > grace_s]
     old_temps = [e for e in temps if now - e.modified > grace_s]
     if not dry_run:
         for entry in old_orphans + old_temps:
             store.delete(entry.url)
+        listed = {e.url for e in objects} - {e.url for e in old_orphans}
+        for record in records:  # a record is done once none of its objects is left
+            if not set(dropped_by[record.url]) & listed and now - record.modified > grace_s:
+                store.delete(record.url)
     return GcReport(
         tuple(e.url for e in old_orphans), tuple(e.url for e in old_temps), len(orphans) - len(old_orphans)
     )
+
+
+def store_clock(store: Store) -> float:
+    """The store's idea of now: the modification time of a temp object written for the purpose."""
+    url = paths.temp_sibling(paths.join(store.layout.shards_dir, "clock"), new_token())
+    store.write_atomic(url, lambda f: f.write(b""))
+    try:
+        entry = next(e for e in store.list(store.layout.shards_dir, paths.TEMP_SUFFIX, include_temp=True)
+                     if e.url == url)
+        return entry.modified
+    finally:
+        store.delete(url)

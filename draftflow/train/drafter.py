@@ -6,7 +6,7 @@ the loop sees a model and a loss function.
 
 from __future__ import annotations
 
-import json
+import logging
 import shlex
 import sys
 from collections.abc import Callable
@@ -24,11 +24,14 @@ from draftflow.models.common import PackedBatch
 from draftflow.models.losses import LossOutput
 from draftflow.models.provenance import write_provenance
 from draftflow.models.target_weights import TargetHead
-from draftflow.models.vocab import (DraftVocab, build_draft_vocab, counts_tensor, load_draft_vocab,
-                                    save_draft_vocab)
+from draftflow.models.vocab import (CorruptDraftVocab, DraftVocab, build_draft_vocab, counts_tensor,
+                                    load_draft_vocab, save_draft_vocab)
 from draftflow.paths import EXPORT_COMMAND, EXPORT_RECIPE
 from draftflow.plan import Plan
+from draftflow.recipe.redact import redact_args, redact_override, redacted_recipe
 from draftflow.train.batches import LayerSelection
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, PackedBatch, torch.Generator | None], LossOutput]
 
@@ -64,6 +67,8 @@ def draft_vocab(plan: Plan, *, storage_options: dict | None = None, write_cache:
                                 storage_options=storage_options)
     except FileNotFoundError:
         pass
+    except CorruptDraftVocab as err:  # derived data: rebuilt from the (checksummed) token counts
+        log.warning("%s", err)
     counts = counts_tensor(load_token_counts(plan.data, storage_options), plan.target.vocab_size)
     vocab = build_draft_vocab(counts, plan.target.vocab_size, size)
     if write_cache:
@@ -95,9 +100,11 @@ def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: lis
     drafter.export(out, verifier_name_or_path=plan.target_model,
                    verifier_architectures=list(plan.target.architectures),
                    aux_layer_ids=list(plan.context_layer_ids))
-    (out / EXPORT_RECIPE).write_text(yaml.safe_dump(json.loads(plan.recipe.model_dump_json()), sort_keys=False))
-    (out / EXPORT_COMMAND).write_text(shlex.join(command or [sys.executable, "-m", "draftflow.train",
-                                                             plan.recipe_path, *sum((["--set", o] for o in plan.overrides), [])]) + "\n")
+    # The folder travels (Hub repo): launch env / extra_args secrets are redacted (recipe.redact).
+    (out / EXPORT_RECIPE).write_text(yaml.safe_dump(redacted_recipe(plan.recipe), sort_keys=False))
+    overrides = sum((["--set", redact_override(o)] for o in plan.overrides), [])
+    default_command = [sys.executable, "-m", "draftflow.train", plan.recipe_path, *overrides]
+    (out / EXPORT_COMMAND).write_text(shlex.join(redact_args(command) if command else default_command) + "\n")
     write_provenance(
         out,
         recipe_name=plan.recipe.name,

@@ -10,7 +10,6 @@ The file protocol (lock, read, validate, delete) is in :mod:`draftflow.vllm.hidd
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +29,7 @@ from draftflow.vllm.hidden_states_file import (  # noqa: F401  (re-exported)
     discard_hidden_states,
     read_hidden_states,
     remove_hidden_states,
+    staging_path,
     validate_hidden_states,
     wait_for_lock,
 )
@@ -82,8 +82,9 @@ def error_message(response: httpx.Response) -> str:
     return str(error or body)[:500]
 
 
-def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int]) -> str:
-    """The file named by a completion response, after checking the server saw our prompt."""
+def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int], staging_dirs: Sequence[str]) -> str:
+    """The file named by a completion response, after checking that it lies in one of our
+    `staging_dirs` (else it is never touched) and that the server saw our prompt."""
     params = body.get("kv_transfer_params") or {}
     path = params.get("hidden_states_path")
     if not path:
@@ -92,6 +93,7 @@ def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int]) -> str:
             "extraction is not enabled on this server (start it with --speculative-config "
             "method=extract_hidden_states and --kv-transfer-config for the hidden-states connector)"
         )
+    staging_path(path, staging_dirs)
     choices = body.get("choices") or [{}]
     echoed = choices[0].get("prompt_token_ids")
     if echoed is not None and list(echoed) != list(prompt):
@@ -126,6 +128,7 @@ class VLLMClient:
         hidden_size: int | None = None,
         lock_timeout_s: float = 60.0,
         exclusive_lock: bool = False,
+        staging_dirs: Sequence[str] = (),
     ):
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.endpoints:
@@ -136,9 +139,9 @@ class VLLMClient:
         self.num_layers, self.hidden_size = num_layers, hidden_size
         self.lock_timeout_s, self.exclusive_lock = lock_timeout_s, exclusive_lock
         self.concurrency = concurrency
-        # Folders the servers wrote hidden-state files to (from the paths they returned), so a
-        # caller can sweep files that killed clients left behind (hidden_states_file.sweep_stale).
-        self.staging_dirs: set[str] = set()
+        # The only folders whose files this client reads or deletes: a path a server names
+        # elsewhere fails its sample and is left alone (hidden_states_file.staging_path).
+        self.staging_dirs: tuple[str, ...] = tuple(staging_dirs)
         self._limits = {e: asyncio.Semaphore(concurrency) for e in self.endpoints}
         self._model_names: dict[str, str] = {}
         self._http = httpx.AsyncClient(
@@ -224,8 +227,7 @@ class VLLMClient:
                 "POST", ep, "/v1/completions",
                 json=completion_payload(model, prompt), headers={"X-Request-Id": request_id},
             )
-            path = hidden_states_path(_json(response, ep), ep, prompt)
-            self.staging_dirs.add(os.path.dirname(path))
+            path = hidden_states_path(_json(response, ep), ep, prompt, self.staging_dirs)
             # Lock waits and file reads block: keep them off the event loop.
             tokens, hidden = await asyncio.to_thread(
                 read_hidden_states, path, prompt, self.num_layers, self.hidden_size,
@@ -316,7 +318,7 @@ class VLLMClient:
         # An extraction server writes a file for chat requests too; nobody else would delete it.
         path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path:
-            self.staging_dirs.add(os.path.dirname(path))
+            staging_path(path, self.staging_dirs)
             await asyncio.to_thread(discard_hidden_states, path, self.lock_timeout_s)
         choice, usage = body["choices"][0], body.get("usage") or {}
         return ChatReply(

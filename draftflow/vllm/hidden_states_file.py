@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Sequence
 
@@ -47,6 +48,37 @@ def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> 
                 raise InvalidHiddenStates(f"writer still holds the lock after {timeout_s:.0f}s", lock_path) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+
+def staging_path(path: str, staging_dirs: Sequence[str]) -> str:
+    """`path` when a server named a file inside one of our staging folders; else InvalidHiddenStates.
+
+    The path comes from a server's HTTP answer, and this process deletes what it reads: an
+    endpoint answering ``~/.ssh/id_ed25519`` or a model's weights must not get them deleted
+    (or read). Accepted: an absolute ``*.safetensors`` path without ``..``, whose folder
+    resolves inside a configured staging folder, and which (with its ``.lock``) is not a
+    symlink. Nothing is touched when the path is refused.
+    """
+    if not staging_dirs:
+        raise InvalidHiddenStates(
+            "no staging folder is configured, so no server-named file is read or deleted "
+            "(set vllm.staging_dirs or vllm.launch.staging_dir)", path,
+        )
+    if not isinstance(path, str) or not os.path.isabs(path) or "\x00" in path:
+        raise InvalidHiddenStates("server named a hidden-states path that is not absolute; left untouched", str(path))
+    if ".." in path.split(os.sep) or not path.endswith(".safetensors"):
+        raise InvalidHiddenStates("server named a path with '..' or not ending in .safetensors; left untouched", path)
+    folder = os.path.realpath(os.path.dirname(path))
+    roots = [os.path.realpath(d) for d in staging_dirs]
+    if not any(folder == root or folder.startswith(root.rstrip(os.sep) + os.sep) for root in roots):
+        raise InvalidHiddenStates(
+            f"server named a file outside the staging folder(s) {sorted(set(staging_dirs))}; left untouched "
+            "(if the server really writes elsewhere, list that folder in vllm.staging_dirs)", path,
+        )
+    for p in (path, path + ".lock"):
+        if os.path.islink(p):
+            raise InvalidHiddenStates("server named a symlink in the staging folder; left untouched", p)
+    return path
 
 
 def remove_hidden_states(path: str) -> None:
@@ -146,7 +178,8 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
     for name in names:
         path = os.path.join(folder, name)
         try:
-            if not name.endswith(".safetensors") or now - os.stat(path).st_mtime < older_than_s:
+            info = os.lstat(path)  # a symlink is never followed, nor deleted as if it were ours
+            if not name.endswith(".safetensors") or not stat.S_ISREG(info.st_mode) or now - info.st_mtime < older_than_s:
                 continue
             fd = os.open(path + ".lock", os.O_RDONLY)
         except FileNotFoundError:  # gone meanwhile, or a server without the lock: age alone decides

@@ -2,7 +2,9 @@
 
 vLLM is not a dependency of draftflow: it runs from its own virtualenv (``LaunchSpec.python``).
 The server's log is kept in a file next to the run, and the process is stopped by pid
-(SIGTERM to its process group, then SIGKILL) by whoever started it.
+(SIGTERM to its process group, then SIGKILL) by whoever started it. It runs under
+:mod:`draftflow.vllm.watchdog`, so it also dies when its launcher dies, and every launch is
+recorded (:mod:`draftflow.vllm.lifecycle`) so that a later run can stop a survivor.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 
 import httpx
 
+from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
 from draftflow.recipe.load import expand
 from draftflow.recipe.schema import VLLMLaunchSection
+from draftflow.vllm import lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +56,11 @@ class LaunchSpec:
     extract_layer_ids: list[int] | None = None
     staging_dir: str | None = None
     speculative_config: dict | None = None
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+    # Where operators put credentials (--api-key, HF_TOKEN): kept out of the repr.
+    extra_args: list[str] = field(default_factory=list, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)
     log_path: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -111,6 +116,10 @@ def build_command(spec: LaunchSpec) -> list[str]:
 
 def build_env(spec: LaunchSpec) -> dict[str, str]:
     env = dict(os.environ)
+    # draftflow's own secrets (store credentials, the client's copy of the API key) are none
+    # of vLLM's business: a server's environment is readable by its plugins and in /proc.
+    for name in (STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV):
+        env.pop(name, None)
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
     if spec.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -141,6 +150,9 @@ class ServerProcess:
         self._log = None
         self._host_lock = None
         self.host_lock_timeout_s = host_lock_timeout_s
+        self._launcher_pipe: int | None = None  # write end; the watchdog stops vLLM when it closes
+        self.record: lifecycle.ServerRecord | None = None
+        self.start_token: str | None = None
 
     def _take_host_lock(self) -> None:
         import fcntl
@@ -184,16 +196,32 @@ class ServerProcess:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         if self.spec.staging_dir:
             Path(self.spec.staging_dir).mkdir(parents=True, exist_ok=True)
+        # A server a killed run left behind would answer on our port or hold the host lock.
+        lifecycle.reap_orphans()
         if self.spec.device == "cpu":
             self._take_host_lock()
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            build_command(self.spec),
-            env=build_env(self.spec),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+        self.start_token = lifecycle.new_start_token()
+        env = build_env(self.spec)
+        env[lifecycle.START_TOKEN_ENV] = self.start_token
+        read_end, self._launcher_pipe = os.pipe()
+        # The watchdog holds the host lock too (inherited), so the lock is free exactly when the
+        # server is gone, however the launcher ended.
+        keep = (read_end,) + ((self._host_lock.fileno(),) if self._host_lock is not None else ())
+        try:
+            self.proc = subprocess.Popen(
+                [self.spec.python, "-m", "draftflow.vllm.watchdog", str(read_end), "--", *build_command(self.spec)],
+                env=env,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=keep,
+            )
+        finally:
+            os.close(read_end)
+        self.record = lifecycle.record_launch(
+            self.proc.pid, self.spec.port, self.spec.host, self.start_token, self.spec.model, self.spec.log_path
         )
         return self
 
@@ -203,7 +231,11 @@ class ServerProcess:
         return "\n".join(Path(self.spec.log_path).read_text(errors="replace").splitlines()[-lines:])
 
     def wait_healthy(self, timeout_s: float) -> None:
+        """Until the server *this* process launched answers: /health is 200, the socket on the
+        port belongs to its process group, and it serves the launched model. Any other server
+        answering on the port (one found there after a long wait for the host lock) is not it."""
         deadline = time.monotonic() + timeout_s
+        warned = False
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(
@@ -211,12 +243,30 @@ class ServerProcess:
                 )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
+                    if self.answers_as_launched():
+                        return
+                    if not warned:
+                        log.warning("%s answers, but not from the server just launched; waiting for ours", self.url)
+                        warned = True
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
         self.stop()
         raise ServerStartError(f"vLLM not healthy after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+
+    def answers_as_launched(self) -> bool:
+        """The process group we launched listens on the port and serves the launched model."""
+        if self.proc is None or not lifecycle.group_listens_on(self.proc.pid, self.spec.port):
+            return False
+        headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
+        try:
+            served = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=5).json().get("data", [])
+        except (httpx.HTTPError, ValueError):
+            return False
+        return any(self.spec.model in (m.get("root"), m.get("id")) for m in served)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after `grace_s`.
@@ -228,6 +278,7 @@ class ServerProcess:
         if self.proc is None:
             self._close_log()
             self._release_host_lock()
+            self._close_pipe()
             return
         pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
@@ -241,6 +292,14 @@ class ServerProcess:
                 break
         self._close_log()
         self._release_host_lock()
+        self._close_pipe()
+        lifecycle.forget(self.record)
+        self.record = None
+
+    def _close_pipe(self) -> None:
+        if self._launcher_pipe is not None:
+            os.close(self._launcher_pipe)
+            self._launcher_pipe = None
 
     def _group_alive(self, pgid: int) -> bool:
         self.proc.poll()  # reap our own child, or its zombie would keep the group alive

@@ -18,7 +18,7 @@ import atexit
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from draftflow.vllm.client import (
     hidden_states_path,
     read_hidden_states,
 )
+from draftflow.vllm import lifecycle
 from draftflow.vllm.launch import LaunchSpec, ServerProcess
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,32 @@ class ServerHandle:
     """The checked endpoints; stops (only) the servers `ensure_running` started. A context manager."""
 
     endpoints: list[str]
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a secret: never in a repr or log line
     started: list[ServerProcess] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)  # checks that could not be made, one line each
+    staging_dirs: list[str] = field(default_factory=list)  # the only folders whose files are read/deleted
+    # Starts (and checks) a server at a URL again; set when ensure_running had launch settings.
+    relaunch: Callable[[str], ServerProcess] | None = field(default=None, repr=False)
 
     @property
     def log_paths(self) -> list[str]:
         return [p.spec.log_path for p in self.started if p.spec.log_path]
 
     def client(self, **kwargs: Any) -> VLLMClient:
+        kwargs.setdefault("staging_dirs", self.staging_dirs)
         return VLLMClient(self.endpoints, api_key=self.api_key, **kwargs)
+
+    def revive(self, url: str) -> bool:
+        """Start the server at `url` again after it died mid-run (ours, or one adopted that
+        went away); False when there are no launch settings to do it with."""
+        if self.relaunch is None:
+            return False
+        for proc in [p for p in self.started if p.url.rstrip("/") == url.rstrip("/")]:
+            proc.stop()
+            self.started.remove(proc)
+        log.warning("vLLM at %s stopped answering; starting it again", url)
+        self.started.append(self.relaunch(url))
+        return True
 
     def stop(self) -> None:
         for proc in self.started:
@@ -104,23 +121,42 @@ def ensure_running(
     probe_token_ids: Sequence[int] = DEFAULT_PROBE_TOKENS,
     health_timeout_s: float = 3.0,
     strict_layer_ids: bool = False,
+    staging_dirs: Sequence[str] = (),
 ) -> ServerHandle:
     """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
 
     `launch` is the recipe's (or a VLLMServer block's) ``vllm.launch`` section. `model` is the
     recipe's target, as the server would be started with it.
     With `strict_layer_ids`, a running server not started here is refused, because its layer
-    ids (beyond their count) cannot be verified.
+    ids (beyond their count) cannot be verified. `staging_dirs`: where servers may name
+    hidden-state files (the launch section's staging_dir is added); files elsewhere are refused.
     """
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
     model = expand(model)
-    handle = ServerHandle(endpoints=urls, api_key=api_key)
+    # A server a killed run left behind would otherwise pass as "not started by draftflow".
+    lifecycle.reap_orphans()
+    handle = ServerHandle(endpoints=urls, api_key=api_key, staging_dirs=[expand(d) for d in staging_dirs])
+    if launch is not None:
+        handle.staging_dirs.append(expand(launch.staging_dir))
+
+        def relaunch(url: str) -> ServerProcess:
+            proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
+            try:
+                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
+                               handle.staging_dirs)
+            except BaseException:
+                proc.stop()
+                raise
+            return proc
+
+        handle.relaunch = relaunch
     atexit.register(handle.stop)  # a crashed pipeline must not leave our servers running
     try:
         for url in urls:
             if is_healthy(url, health_timeout_s):
-                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s)
+                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
+                               handle.staging_dirs)
                 note = (f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
                         f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked")
                 if strict_layer_ids:
@@ -135,7 +171,8 @@ def ensure_running(
                 )
             proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
             handle.started.append(proc)
-            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s)
+            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
+                           handle.staging_dirs)
     except BaseException:
         handle.stop()
         raise
@@ -161,13 +198,14 @@ def check_endpoint(
     api_key: str | None,
     probe_token_ids: Sequence[int],
     timeout_s: float,
+    staging_dirs: Sequence[str] = (),
 ) -> None:
     """Model served and a probe extraction's layer count, hidden size and tokens."""
     headers = auth_headers(api_key)
     with httpx.Client(base_url=url, headers=headers, timeout=max(timeout_s, 60.0)) as http:
         served = _get_json(http, url, "/v1/models").get("data", [])
         served_id = check_model(url, model, served)
-        check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids)
+        check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids, staging_dirs)
 
 
 def _get_json(http: httpx.Client, url: str, path: str) -> dict:
@@ -204,6 +242,7 @@ def check_extraction(
     layer_ids: Sequence[int],
     hidden_size: int,
     probe_token_ids: Sequence[int],
+    staging_dirs: Sequence[str] = (),
 ) -> None:
     """One real extraction: the file must have the expected layers, size and tokens."""
     prompt = [int(t) for t in probe_token_ids]
@@ -214,7 +253,7 @@ def check_extraction(
     if response.status_code >= 400:
         raise ServerCheckError(f"{url}: probe extraction failed: HTTP {response.status_code}: {error_message(response)}")
     try:
-        path = hidden_states_path(response.json(), url, prompt)
+        path = hidden_states_path(response.json(), url, prompt, staging_dirs)
     except ExtractionNotEnabled as err:
         raise ExtractionNotEnabled(f"{url} serves {served_id!r} but hidden-state extraction is not enabled: {err}") from None
     _, hidden = read_hidden_states(path, prompt)  # validates token ids, finiteness; deletes files

@@ -194,7 +194,8 @@ def test_crash_while_writing_leaves_nothing_visible(tmp_path, sources, encoder, 
     with pytest.raises(OSError, match="disk full"):
         prepare(data_section(sources), lay, encoder)
     prepared_dir = tmp_path / "store" / "test-0123456789abcdef" / "prepared"
-    assert sorted(p.name for p in prepared_dir.iterdir()) == ["samples.parquet"]  # no partial files
+    # both tables are built before anything is written: not even a partial file
+    assert not prepared_dir.exists() or list(prepared_dir.iterdir()) == []
     assert not is_prepared(lay)
     with pytest.raises(FileNotFoundError, match="interrupted"):
         load_prepared(lay)
@@ -390,3 +391,67 @@ def test_mix_is_not_biased_towards_the_bigger_source(write_json, sg):
     eval_by_source = Counter(c.source.split(":")[2] for c in chosen if c.split == "eval")
     assert 70 <= by_source["s.json"] <= 130  # ~100 each; the biased order gives ~20 / ~180
     assert 8 <= eval_by_source["s.json"] <= 32
+
+
+def test_a_second_preparation_never_rewrites_the_folder(tmp_path, sources, encoder):
+    """Two preparations of one fingerprint, the second finishing after the first (whose extraction
+    may already read the files): the first's files stay, byte for byte, and the second uses them.
+    Regenerated replies differ per run, so a rewrite would be visible in the data itself."""
+    import threading
+
+    lay = layout(tmp_path)
+    data = data_section(sources, regenerate_responses=True)
+    first_done = threading.Event()
+    results = {}
+
+    def generator(reply: str, wait: threading.Event | None):
+        async def generate(messages, max_tokens):
+            if wait is not None:
+                await asyncio.to_thread(wait.wait, 60)
+            return reply
+        return generate
+
+    def run(name: str, wait: threading.Event | None):
+        results[name] = prepare(data, lay, encoder, generate=generator(f"reply from {name}", wait))
+
+    late = threading.Thread(target=run, args=("late", first_done))
+    late.start()  # checks the folder (empty), then regenerates until the first one has finished
+    run("first", None)
+    written = {p: p.read_bytes() for p in lay_dir(lay).iterdir()}
+    first_done.set()
+    late.join(120)
+    assert not results["first"].reused and results["late"].reused
+    assert results["late"].report == results["first"].report == read_report(lay)
+    assert {p: p.read_bytes() for p in lay_dir(lay).iterdir()} == written  # nothing rewritten, no leftovers
+    texts = load_prepared(lay)["messages"].to_pylist()
+    assert all("reply from first" in t and "reply from late" not in t for t in texts)
+
+
+def lay_dir(lay: DataLayout):
+    from pathlib import Path
+
+    return Path(lay.prepared_dir)
+
+
+def test_flipped_bit_in_prepared_tables_is_detected(tmp_path, sources, encoder):
+    from draftflow.data.dataset import CorruptPreparedData
+
+    lay = layout(tmp_path)
+    prepare(data_section(sources), lay, encoder)
+    for url, load in ((lay.samples, lambda: load_prepared(lay)), (lay.token_counts, lambda: load_token_counts(lay))):
+        blob = bytearray(open(url, "rb").read())
+        blob[len(blob) // 2] ^= 0x10
+        with open(url, "r+b") as f:  # in place, same size: only a checksum can tell
+            f.write(blob)
+        with pytest.raises(CorruptPreparedData, match=r"samples.parquet|token_counts.parquet") as info:
+            load()
+        assert url.rsplit("/", 1)[1] in str(info.value) and "prepare again" in str(info.value)
+
+
+def test_files_of_a_preparation_that_died_are_replaced(tmp_path, sources, encoder):
+    lay = layout(tmp_path)
+    first = prepare(data_section(sources), lay, encoder)
+    os.remove(lay.prepare_report)  # died between the tables and the report
+    os.utime(lay.samples, (1, 1))  # long ago: nobody is about to write the report
+    again = prepare(data_section(sources), lay, encoder)
+    assert not again.reused and is_prepared(lay) and again.report == first.report

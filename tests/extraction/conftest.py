@@ -36,10 +36,11 @@ def extraction_server(vllm_servers, smollm2_dir: Path, staging_dir: Path):
 
 
 @pytest.fixture
-def write_recipe(tmp_path: Path, smollm2_dir: Path):
+def write_recipe(tmp_path: Path, smollm2_dir: Path, staging_dir: Path):
     """write_recipe(endpoint, store=..., **data_overrides) -> path of a recipe YAML in tmp_path."""
 
     def write(endpoint: str, store: str | None = None, name: str = "recipe.yaml", **data) -> str:
-        return write_recipe_file(tmp_path / name, smollm2_dir, store or str(tmp_path / "store"), endpoint, **data)
+        return write_recipe_file(tmp_path / name, smollm2_dir, store or str(tmp_path / "store"), endpoint,
+                                 str(staging_dir), **data)
 
     return write

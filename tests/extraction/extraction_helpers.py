@@ -13,8 +13,10 @@ LAYER_IDS = [2, 15, 27, 30]  # 30 = SmolLM2's last layer output, before the fina
 HIDDEN = 576
 
 
-def recipe_dict(model: Path, store: str, endpoint: str, **data) -> dict:
-    """A tiny recipe: SmolLM2, chatterbot questions, 4 samples per shard, fp32 hidden states."""
+def recipe_dict(model: Path, store: str, endpoint: str, staging: str | None = None, **data) -> dict:
+    """A tiny recipe: SmolLM2, chatterbot questions, 4 samples per shard, fp32 hidden states.
+
+    `staging`: the test server's staging folder (the only place the client touches files)."""
     return {
         "name": "extraction-test",
         "target": {"model": str(model)},
@@ -27,13 +29,13 @@ def recipe_dict(model: Path, store: str, endpoint: str, **data) -> dict:
             **data,
         },
         "extraction": {"layer_ids": LAYER_IDS, "dtype": "float32", "store": store, "samples_per_shard": 4},
-        "vllm": {"endpoints": [endpoint]},
+        "vllm": {"endpoints": [endpoint], **({"staging_dirs": [str(staging)]} if staging else {})},
         "drafter": {"kind": "dflash", "block_size": 4, "num_layers": 1},
     }
 
 
-def write_recipe_file(path: Path, model: Path, store: str, endpoint: str, **data) -> str:
-    path.write_text(yaml.safe_dump(recipe_dict(model, store, endpoint, **data), sort_keys=False))
+def write_recipe_file(path: Path, model: Path, store: str, endpoint: str, staging: str | None = None, **data) -> str:
+    path.write_text(yaml.safe_dump(recipe_dict(model, store, endpoint, staging, **data), sort_keys=False))
     return str(path)
 
 

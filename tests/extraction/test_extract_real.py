@@ -38,7 +38,8 @@ class Run:
 @pytest.fixture(scope="module")
 def local_run(extraction_server, smollm2_dir: Path, tmp_path_factory) -> Run:
     work = tmp_path_factory.mktemp("local-run")
-    recipe = write_recipe_file(work / "recipe.yaml", smollm2_dir, str(work / "store"), extraction_server.url)
+    recipe = write_recipe_file(work / "recipe.yaml", smollm2_dir, str(work / "store"), extraction_server.url,
+                               extraction_server.spec.staging_dir)
     plan = Plan.load(recipe)
     summary = run_extraction(plan)
     assert summary.ok and summary.shards_written == 4 and summary.samples_ok == 16, summary

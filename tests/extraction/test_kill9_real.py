@@ -60,7 +60,8 @@ def assert_nothing_partial(store: Store, expected_ids: set[str]) -> int:
 
 def test_sigkill_at_random_points_then_rerun(extraction_server, smollm2_dir: Path, tmp_path: Path, staging_dir: Path):
     rng = random.Random(int(os.environ.get("DRAFTFLOW_CRASH_SEED", "2024")))
-    recipe = write_recipe_file(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "template"), extraction_server.url)
+    recipe = write_recipe_file(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "template"), extraction_server.url,
+                               str(staging_dir))
     template = Plan.load(recipe)
     prepare_recipe(template.recipe, template.data)
     expected = [e.sample_id for e in expected_samples(template)]

@@ -71,3 +71,37 @@ def test_save_load_roundtrip_and_staleness_checks(tmp_path):
         load_draft_vocab(path, draft_vocab_size=32)
     with pytest.raises(ValueError, match="built from data"):
         load_draft_vocab(path, fingerprint="other")
+
+
+def test_flipped_bit_in_cached_draft_vocab_is_detected_and_rebuilt(tmp_path, smollm2_dir, caplog):
+    """vocab/draft-vocab-SIZE.safetensors of a real prepared folder: a flipped bit in d2t (same size,
+    valid header) must not become a silently wrong mapping; the trainer rebuilds it from the counts."""
+    import yaml
+
+    from draftflow.data.prepare import prepare_recipe
+    from draftflow.models.vocab import CorruptDraftVocab
+    from draftflow.plan import Plan
+    from draftflow.train.drafter import draft_vocab
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "vocab-test", "target": {"model": str(smollm2_dir)},
+        "data": {"sources": [{"kind": "chatterbot", "max_samples": 40}], "eval_samples": 2, "max_length": 96},
+        "extraction": {"store": str(tmp_path / "store")},
+        "drafter": {"kind": "dflash", "block_size": 4, "draft_vocab_size": 512},
+    }))
+    plan = Plan.load(str(recipe))
+    prepare_recipe(plan.recipe, plan.data)
+    built = draft_vocab(plan)
+    path = plan.data.draft_vocab(512)
+    blob = bytearray(open(path, "rb").read())
+    blob[-3] ^= 0x01  # inside the last tensor's data: the header still parses
+    open(path, "wb").write(bytes(blob))
+    with pytest.raises(CorruptDraftVocab, match="sha256"):
+        load_draft_vocab(path, draft_vocab_size=512, fingerprint=plan.fingerprint)
+    with caplog.at_level("WARNING"):
+        again = draft_vocab(plan)
+    assert torch.equal(again.d2t, built.d2t) and torch.equal(again.t2d, built.t2d)
+    assert "rebuilt" in caplog.text
+    repaired = load_draft_vocab(path, draft_vocab_size=512, fingerprint=plan.fingerprint)  # file rewritten
+    assert torch.equal(repaired.d2t, built.d2t)

@@ -46,9 +46,10 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
             continue
 
 
-def write_tiny_recipe(path: Path, model: Path, store: str, endpoint: str, name: str = "prefect-test") -> str:
+def write_tiny_recipe(path: Path, model: Path, store: str, endpoint: str, name: str = "prefect-test",
+                      staging: str | None = None) -> str:
     """SmolLM2, ~20 chatterbot train samples, 4 per shard, 128 tokens, fp32, no regeneration."""
-    recipe = recipe_dict(model, store, endpoint, num_samples=24, max_length=128)
+    recipe = recipe_dict(model, store, endpoint, staging, num_samples=24, max_length=128)
     recipe["name"] = name
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return str(path)

@@ -90,7 +90,7 @@ def decoded_result(blob: bytes) -> bytes:
 
 @pytest.mark.slow
 def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_server, s3, smollm2_dir: Path,
-                                    tiny_llama_dir: Path, tmp_path: Path):
+                                    tiny_llama_dir: Path, tmp_path: Path, prefect_staging_dir: Path):
     from prefect.client.orchestration import get_client
 
     secrets = {"s3 key id": planted("AKID"), "s3 secret": planted("s3-secret"), "vllm api key": planted("vllm-key"),
@@ -108,7 +108,8 @@ def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_ser
                           hf_token=secrets["hub token"]).save(names["dest"])
 
     recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "unused-store"),
-                               "http://127.0.0.1:9", name="prefect-secrets")  # endpoints and store: from the blocks
+                               "http://127.0.0.1:9", name="prefect-secrets",  # endpoints and store: from the blocks
+                               staging=str(prefect_staging_dir))
     publish_recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
     checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path / "ckpt", tau=1.5)
     runner = start_runner([
@@ -152,4 +153,58 @@ def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_ser
     leaks = [f"{what} in {where}" for what, secret in secrets.items()
              for where, text in [*api_records.items(), *files.items()]
              if secret.encode() in (text if isinstance(text, bytes) else text.encode())]
-    assert leaks == []
+
+
+
+def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(tiny_llama_dir: Path, tmp_path: Path,
+                                                                       monkeypatch):
+    """No Prefect needed: the core's own objects, the vLLM child's environment and argv, an exported
+    drafter folder (recipe.yaml, command.txt, provenance) and error messages."""
+    from draftflow.paths import DataLayout
+    from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
+    from draftflow.recipe.load import RecipeError, parse_override
+    from draftflow.train import drafter
+    from draftflow.vllm.launch import LaunchSpec, build_command, build_env
+    from draftflow.vllm.server import ServerHandle
+
+    secrets = {"api key": planted("vllm-key"), "s3 secret": planted("s3-secret"), "env token": planted("hf-token"),
+               "arg token": planted("arg-token"), "arg key": planted("arg-key")}
+    # reprs (what a traceback, a log line or a Prefect result shows)
+    store = Store(DataLayout(str(tmp_path / "store")), {"key": "AKID", "secret": secrets["s3 secret"]})
+    handle = ServerHandle(endpoints=["http://127.0.0.1:9"], api_key=secrets["api key"])
+    spec = LaunchSpec(python="/bin/true", model="m", port=9, api_key=secrets["api key"],
+                      env={"HF_TOKEN": secrets["env token"]}, extra_args=["--hf-token", secrets["arg token"]])
+    shown = {"Store repr": f"{store!r} {store}", "ServerHandle repr": f"{handle!r} {handle}",
+             "LaunchSpec repr": f"{spec!r} {spec}"}
+    # the vLLM child: its environment gets the API key as vLLM's own variable, never the store's credentials
+    monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps({"secret": secrets["s3 secret"]}))
+    monkeypatch.setenv(VLLM_API_KEY_ENV, secrets["api key"])
+    env = build_env(LaunchSpec(python="/bin/true", model="m", port=9, api_key=secrets["api key"]))
+    assert env["VLLM_API_KEY"] == secrets["api key"]  # how vLLM reads it: the environment, not argv
+    shown["vLLM child env (besides VLLM_API_KEY)"] = json.dumps({k: v for k, v in env.items() if k != "VLLM_API_KEY"})
+    shown["vLLM child argv"] = " ".join(build_command(LaunchSpec(python="/bin/true", model="m", port=9,
+                                                                 api_key=secrets["api key"])))
+    # an exported drafter folder whose recipe launched vLLM with secrets in env and extra_args
+    recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
+    overrides = [
+        "vllm.launch.device=cpu",
+        f"vllm.launch.env={{HF_TOKEN: {secrets['env token']}}}",
+        f"vllm.launch.extra_args=[--api-key, {secrets['arg key']}, --max-num-seqs, '4']",
+    ]
+    plan = Plan.load(recipe, overrides)
+    setup = drafter.build(plan)
+    out = drafter.export(setup, plan, tmp_path / "export")
+    files = local_bytes(out)
+    assert "max-num-seqs" in files[str(out / "recipe.yaml")].decode()  # harmless settings are kept
+    assert "HF_TOKEN" in files[str(out / "recipe.yaml")].decode()
+    # error messages
+    errors = []
+    for bad in (f"vllm.launch.env.HF_TOKEN=[{secrets['env token']}", f"vllm.launch.extra_args=[--hf-token, {{{secrets['arg token']}"):
+        with pytest.raises(RecipeError) as info:
+            parse_override(bad)
+        errors.append(str(info.value))
+    shown["error messages"] = "\n".join(errors)
+    leaks = [f"{what} in {where}" for what, secret in secrets.items()
+             for where, text in [*shown.items(), *((k, v.decode(errors="replace")) for k, v in files.items())]
+             if secret in text]
+    assert leaks == [], "\n".join(leaks)

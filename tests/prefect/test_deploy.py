@@ -84,10 +84,10 @@ def test_shipped_prefect_yaml(prefect_server):
 
 
 @pytest.mark.slow
-def test_deployed_flow_runs_on_a_process_worker(prefect_server, start_process, extraction_endpoint, smollm2_dir: Path,
-                                                tmp_path: Path):
+def test_deployed_flow_runs_on_a_process_worker(prefect_server, start_process, extraction_endpoint,
+                                                prefect_staging_dir, smollm2_dir: Path, tmp_path: Path):
     recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-worker")
+                               name="prefect-worker", staging=str(prefect_staging_dir))
     pool = f"pool-{uuid.uuid4().hex[:6]}"
     assert cli_main(["deploy", recipe, "--flow", "extract", "--name", "on-worker", "--pool", pool]) == 0
     worker = start_process([PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"])

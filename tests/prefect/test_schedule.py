@@ -25,10 +25,10 @@ def scheduled_runs(deployment_name: str) -> list:
         return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
 
 
-def test_interval_schedule_fires_and_completes(prefect_server, start_runner, extraction_endpoint, smollm2_dir: Path,
-                                               tmp_path: Path):
+def test_interval_schedule_fires_and_completes(prefect_server, start_runner, extraction_endpoint,
+                                               prefect_staging_dir, smollm2_dir: Path, tmp_path: Path):
     recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-scheduled")
+                               name="prefect-scheduled", staging=str(prefect_staging_dir))
     plan = Plan.load(recipe)
     assert run_extraction(plan).ok  # the nightly case: the store is already complete
     samples = read_manifest(Store(plan.data))["sample_id"].to_pylist()

@@ -20,9 +20,10 @@ PROBES_PER_RUN = 1  # check-or-start probes each endpoint once per flow run (one
 
 
 def test_retry_from_ui_reextracts_only_the_failed_shards(prefect_server, start_runner, extraction_endpoint,
-                                                           smollm2_dir: Path, tmp_path: Path):
+                                                         prefect_staging_dir, smollm2_dir: Path,
+                                                         tmp_path: Path):
     recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-ui-retry")
+                               name="prefect-ui-retry", staging=str(prefect_staging_dir))
     runner = start_runner(
         [{"flow": "flows.stages:extract", "name": "ui-retry", "parameters": {"recipe": recipe}}],
         env={"DRAFTFLOW_TEST_FAIL_SHARDS": ",".join(FAILING), "DRAFTFLOW_TEST_FAIL_ONCE_DIR": str(tmp_path / "once")},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pyarrow as pa
 import pytest
@@ -24,6 +25,7 @@ from draftflow.store import (
     write_shard,
 )
 from draftflow.store.manifest import read_raw, resolve, to_ipc_bytes
+from draftflow.store.writer import GC_GRACE_S
 
 
 def test_orphan_shard_is_invisible_and_collected_after_grace(store):
@@ -37,14 +39,14 @@ def test_orphan_shard_is_invisible_and_collected_after_grace(store):
 
     young = gc(store)  # default grace: hours
     assert young.orphan_shards == () and young.young_orphans_kept == 1
-    old = gc(store, grace_s=0)
+    old = gc(store, now=time.time() + GC_GRACE_S + 60)  # as if the grace had passed
     assert old.orphan_shards == (committed.shard_url,)
     assert store.list(store.layout.shards_dir, paths.SHARD_SUFFIX) == []
 
 
 def test_gc_never_touches_committed_shards(store):
     committed = write_shard(store, "000000", [syn.sample("g1")], syn.info())
-    report = gc(store, grace_s=0)
+    report = gc(store, now=time.time() + GC_GRACE_S + 60)  # as if the grace had passed
     assert report.orphan_shards == () and report.temp_files == ()
     assert verify(store).ok
     assert [e.url for e in store.list(store.layout.shards_dir)] == [committed.shard_url]

@@ -18,6 +18,7 @@ import store_writer_loop
 from draftflow import paths
 from draftflow.store import Store, gc, ls, read_manifest, reconcile, verify
 from draftflow.store.shard import data_end, read_header
+from draftflow.store.writer import GC_GRACE_S
 
 REPO = Path(__file__).resolve().parents[2]
 WRITER = Path(__file__).with_name("store_writer_loop.py")
@@ -117,7 +118,7 @@ def test_sigkill_at_random_points(backend, make_store):
         assert reconcile(store, expected, PER_SHARD).done, f"trial {trial} (seed {seed})"
         listed = read_manifest(store)["sample_id"].to_pylist()
         assert sorted(listed) == sorted(expected_ids), f"trial {trial} (seed {seed})"
-        gc(store, grace_s=0)
+        gc(store, now=time.time() + GC_GRACE_S + 60)  # as if the grace had passed
         assert reconcile(store, expected, PER_SHARD, verify=False).done and ls(store).orphan_objects == 0
         assert store.list(store.layout.shards_dir, paths.TEMP_SUFFIX, include_temp=True) == []
     # (samples committed, orphan shard objects, writes cut short) at each kill, for the log.

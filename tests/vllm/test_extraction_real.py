@@ -115,7 +115,8 @@ def test_data_parallel_extraction_over_two_endpoints(smollm2_extraction, prompts
     items = [(f"s{i}", prompts[i % 2][: 20 + 7 * i]) for i in range(10)]
 
     async def go():
-        async with VLLMClient(endpoints, api_key=smollm2_extraction.api_key, concurrency=2, num_layers=len(smollm2_extraction.layer_ids), hidden_size=smollm2_extraction.hidden_size) as c:
+        async with VLLMClient(endpoints, api_key=smollm2_extraction.api_key, concurrency=2, num_layers=len(smollm2_extraction.layer_ids), hidden_size=smollm2_extraction.hidden_size,
+                              staging_dirs=[str(smollm2_extraction.staging_dir)]) as c:
             return await c.extract_many(items)
 
     results = run(go())
@@ -150,6 +151,7 @@ def test_chat_regenerates_and_leaves_no_files(smollm2_extraction):
 
 def check(server, model, layer_ids=None, hidden_size=None, api_key="same", **kwargs):
     """ensure_running against the running server, as a pipeline that did not start it."""
+    kwargs.setdefault("staging_dirs", [str(server.staging_dir)])
     return ensure_running(
         server.url, model=str(model),
         layer_ids=server.layer_ids if layer_ids is None else layer_ids,
@@ -215,3 +217,19 @@ def test_handle_stops_the_server_it_started(smollm2_extraction):
         os.killpg(pid, 0)  # no process of its group (engine core, workers) is left
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_api_key_is_in_no_child_argv_and_store_secrets_in_no_child_env(smollm2_extraction):
+    """Every process of the launched server (watchdog, API server, engine): /proc/PID/cmdline
+    never holds the API key (any user can read it with ps); the environment has no store options."""
+    from draftflow.process_env import STORAGE_OPTIONS_ENV
+    from draftflow.vllm.lifecycle import group_members
+
+    [server] = smollm2_extraction.handle.started
+    members = group_members(server.pid)
+    assert len(members) >= 2  # the watchdog and vLLM at least
+    for pid in members:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read()
+        assert smollm2_extraction.api_key.encode() not in argv, argv
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        assert not any(v.startswith(STORAGE_OPTIONS_ENV.encode() + b"=") for v in environ)

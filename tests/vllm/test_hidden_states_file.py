@@ -144,7 +144,7 @@ def test_validate_accepts_bf16():
 def test_response_without_path_means_extraction_not_enabled():
     body = {"choices": [{"prompt_token_ids": PROMPT}], "kv_transfer_params": None}
     with pytest.raises(ExtractionNotEnabled, match="not enabled"):
-        hidden_states_path(body, "http://h:1", PROMPT)
+        hidden_states_path(body, "http://h:1", PROMPT, [])
 
 
 def test_response_echoing_other_tokens_is_invalid(tmp_path):
@@ -152,5 +152,5 @@ def test_response_echoing_other_tokens_is_invalid(tmp_path):
     write_sample(path)
     body = {"choices": [{"prompt_token_ids": [1, 2]}], "kv_transfer_params": {"hidden_states_path": str(path)}}
     with pytest.raises(InvalidHiddenStates, match="differ from the 4 sent"):
-        hidden_states_path(body, "http://h:1", PROMPT)
+        hidden_states_path(body, "http://h:1", PROMPT, [str(tmp_path)])
     assert_gone(path)
