@@ -19,7 +19,10 @@ Layout of a store::
 
     RUN_DIR/NAME-FINGERPRINT/RUN_ID/         RunLayout: one training run
         metrics.jsonl, train.log
+        tensorboard/events.out.tfevents.*    loss and validation τ (`tensorboard --logdir RUN`)
+        training_curves.png                  loss and validation τ against step
         checkpoints/step-NNNNNNNN/{model,optim,state}… + COMPLETE
+        best/step-NNNNNNNN.safetensors + best.json  trainable weights of the best validation τ
         export/                              the speculators folder vLLM serves
         eval/report.json, report.md, acceptance.png
 """
@@ -166,6 +169,25 @@ class RunLayout:
         return join(self.root, "export")
 
     @property
+    def tensorboard_dir(self) -> str:
+        return join(self.root, "tensorboard")
+
+    @property
+    def training_curves(self) -> str:
+        return join(self.root, "training_curves.png")
+
+    @property
+    def best_dir(self) -> str:
+        return join(self.root, "best")
+
+    @property
+    def best_record(self) -> str:
+        return join(self.best_dir, "best.json")
+
+    def best_weights(self, step: int) -> str:
+        return join(self.best_dir, f"step-{int(step):08d}.safetensors")
+
+    @property
     def eval_dir(self) -> str:
         return join(self.root, "eval")
 
@@ -188,4 +210,5 @@ EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_RECIPE = "recipe.yaml"
 EXPORT_COMMAND = "train_command.txt"
+EXPORT_SELECTION = "selection.json"  # which training step was exported, and why
 MODEL_CARD = "README.md"

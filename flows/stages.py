@@ -11,7 +11,9 @@ from prefect.runtime import flow_run
 
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.evaluate import publish as publish_task
-from tasks.extract import check_or_start_vllm, extract_shard, plan_shards, prepare_data, shard_table
+from tasks.extract import (
+    check_or_start_vllm, extract_shard, plan_shards, prepare_data, shard_table, wait_for_shards,
+)
 from tasks.recipe import resolve_plan
 from tasks.train import train_drafter
 
@@ -44,7 +46,8 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
         shards = plan_shards(recipe, overrides, store_block)["all"]
         args = (unmapped(recipe), unmapped(overrides), unmapped(ref["fingerprint"]))
         infra = (unmapped(store_block), unmapped(vllm_block))
-        outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
+        futures = list(extract_shard.map(*args, shards, *infra))
+        outcomes = wait_for_shards(futures, ref["shard_table_key"] + "-progress")  # done/total, rate, ETA
         # The manifest is the truth: a shard it still lacks although its task "succeeded" came
         # from a stale cache (store wiped or moved) and runs again, ignoring the cache.
         missing = set(plan_shards(recipe, overrides, store_block)["missing"])

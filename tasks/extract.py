@@ -20,10 +20,13 @@ from draftflow.data.dataset import read_report
 from draftflow.extraction import expected_samples, extract_shard_by_id, plan_extraction
 from draftflow.extraction.run import prepare_data as prepare_data_core
 from draftflow.paths import shard_id
+from draftflow.progress import LineSink, Progress, reporting
 from draftflow.store import Store
 from draftflow.store.shard import FORMAT_VERSION
 from draftflow.vllm.server import ServerHandle, ensure_running
 from tasks import infra as infra_mod
+from tasks.infra import artifact_key
+from tasks.progress import prefect_sinks
 
 EXTRACTION_TAG = "draftflow-vllm-extraction"
 
@@ -53,7 +56,10 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
     """Tokenised, split, optionally regenerated data in the fingerprinted folder (reused when there)."""
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
-    worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key, storage_options=infra.storage_options)
+    # regeneration (and prompt generation) report done/total, rate, ETA, failures to the log + an artifact
+    with reporting(*prefect_sinks(artifact_key(plan, "preparation-progress"), "data preparation")):
+        worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key,
+                                   storage_options=infra.storage_options)
     report = read_report(plan.data, infra.storage_options)
     get_run_logger().info("data in %s (%s)", plan.data.prepared_dir, "prepared now" if worked else "reused")
     return {"data_root": plan.data.root, "reused": not worked, "report": report}
@@ -104,8 +110,10 @@ def extract_shard(recipe: str, overrides: list[str], fingerprint: str, shard: st
     plan = infra_mod.plan_for(recipe, infra)
     if plan.fingerprint != fingerprint:
         raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
-    result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard, infra.endpoints or plan.recipe.vllm.endpoints,
-                                 api_key=infra.api_key, storage_options=infra.storage_options)
+    with reporting(LineSink(get_run_logger().info)):  # this shard's samples: done/total, rate, ETA, failures
+        result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard,
+                                     infra.endpoints or plan.recipe.vllm.endpoints,
+                                     api_key=infra.api_key, storage_options=infra.storage_options)
     return {"shard": shard, "skipped": result.skipped, "samples_ok": result.samples_ok,
             "samples_failed": result.samples_failed, "tokens": result.tokens,
             "failures": [list(f) for f in result.failures][:20]}
@@ -126,3 +134,19 @@ def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: st
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}
 
+
+
+def wait_for_shards(futures: list, key: str) -> list:
+    """Outcomes of the shard tasks in their order, reporting shards done/total, rate, ETA and
+    failures to the flow's log and a progress artifact as they finish."""
+    from prefect.futures import as_completed
+
+    position = {id(f): i for i, f in enumerate(futures)}
+    outcomes: list = [None] * len(futures)
+    with Progress("extraction", len(futures), unit="shards", sinks=prefect_sinks(key, "extraction shards"),
+                  interval_s=0.0) as progress:
+        for future in as_completed(futures):
+            outcome = future.result(raise_on_failure=False)
+            outcomes[position[id(future)]] = outcome
+            progress.advance(failed=int(isinstance(outcome, BaseException)))
+    return outcomes

@@ -8,11 +8,13 @@ plumbing is testable with a fake.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from draftflow.data.sources import Conversation
+from draftflow.progress import stage
 
 Generate = Callable[[list[dict], int], Awaitable[str]]
 
@@ -74,9 +76,12 @@ async def regenerate_conversations(
             out[i] = {"role": "assistant", "content": reply.strip()}
         return out, None
 
+    progress = stage("regenerating replies", len(conversations), unit="conversations")
+
     async def worker() -> None:
         for idx in pending:  # the shared iterator hands each index to exactly one worker
             results[idx] = await one(conversations[idx])
+            progress.advance(failed=int(results[idx][0] is None))
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(conversations))))]
     try:
@@ -87,6 +92,8 @@ async def regenerate_conversations(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        progress.close()
     return results, errors
 
 
@@ -104,7 +111,8 @@ def run_coroutine(coro: Any) -> Any:
         except BaseException as err:  # re-raised in the caller's thread
             box["error"] = err
 
-    thread = threading.Thread(target=target, name="draftflow-regenerate")
+    context = contextvars.copy_context()  # progress sinks (draftflow.progress.reporting) follow
+    thread = threading.Thread(target=context.run, args=(target,), name="draftflow-regenerate")
     thread.start()
     thread.join()
     if "error" in box:

@@ -186,6 +186,14 @@ class TrainingSection(Section):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="Steps; 0 = only at each epoch end.")
+    validation_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of the stored train samples held out (chosen by a hash of the "
+        "sample id, never trained on) to measure acceptance during training; 0 = no validation."
+    )
+    validation_max_samples: int = Field(64, ge=0, description="At most this many validation samples.")
+    eval_every: int = Field(
+        0, ge=0, description="Steps between validations besides every epoch end; 0 = epoch ends only."
+    )
     run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
 
     @model_validator(mode="after")
