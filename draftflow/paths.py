@@ -204,6 +204,13 @@ class RunLayout:
         return join(self.eval_dir, "acceptance.png")
 
 
+def prompt_set_file(name: str) -> str:
+    """The evaluation prompt set ``name`` shipped inside the package (JSON lines: id, category, prompt)."""
+    from pathlib import Path
+
+    return str(Path(__file__).parent / "evaluation" / "prompt_sets" / f"{safe_component(name)}.jsonl")
+
+
 # File names inside a checkpoint or export folder (shared by the trainer, exporter and evaluator).
 CHECKPOINT_COMPLETE = "COMPLETE"
 EXPORT_CONFIG = "config.json"

@@ -176,7 +176,13 @@ class RichBar:
 
     def _start(self, snap: ProgressSnapshot) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TextColumn(snap.unit), TextColumn("{task.fields[rate]}"), TextColumn("ETA"),

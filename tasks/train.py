@@ -16,7 +16,11 @@ import sys
 import threading
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 
 from draftflow.plan import Plan
 from draftflow.progress import Progress

@@ -19,15 +19,19 @@ class Clock:
 
 def test_lines_say_done_total_rate_eta_and_failures_and_are_throttled():
     clock, lines = Clock(), []
-    progress = Progress("extraction", 10, unit="samples", sinks=[LineSink(lines.append)], interval_s=5.0, clock=clock)
+    progress = Progress(
+        "extraction", 10, unit="samples", sinks=[LineSink(lines.append)], interval_s=5.0, clock=clock
+    )
     clock.now += 2.0
     progress.advance(2)  # first update: always shown
     clock.now += 1.0
     progress.advance(1, failed=1)  # within 5 s of the last line: not shown
     clock.now += 5.0
     progress.advance(1)
-    assert lines == ["extraction: 2/10 samples (20.0%), 1.00 samples/s, ETA 0:00:08, 0 failed",
-                     "extraction: 4/10 samples (40.0%), 0.50 samples/s, ETA 0:00:12, 1 failed"]
+    assert lines == [
+        "extraction: 2/10 samples (20.0%), 1.00 samples/s, ETA 0:00:08, 0 failed",
+        "extraction: 4/10 samples (40.0%), 0.50 samples/s, ETA 0:00:12, 1 failed",
+    ]
     progress.update(done=10)  # complete: shown at once
     assert lines[-1].startswith("extraction: 10/10 samples (100.0%)")
     snap = progress.close()
@@ -49,6 +53,7 @@ def test_stages_report_to_the_innermost_reporting_block_also_from_tasks_and_thre
 
         async def nested():  # run_coroutine from a running loop: its own thread, same sinks
             run_coroutine(work())
+
         asyncio.run(nested())
     run_coroutine(work())  # outside any reporting block: silent
     assert len([s for s in seen if s.startswith("inner: 2/2")]) == 4 and len(seen) == 6
@@ -62,12 +67,16 @@ def test_regeneration_counts_conversations_and_failures():
             raise RuntimeError("server said no")
         return "a reply"
 
-    conversations = [[{"role": "user", "content": c}, {"role": "assistant", "content": "x"}]
-                     for c in ("hi", "fail please", "hello")]
+    conversations = [
+        [{"role": "user", "content": c}, {"role": "assistant", "content": "x"}]
+        for c in ("hi", "fail please", "hello")
+    ]
     with reporting(LineSink(seen.append)):
         results, _ = run_coroutine(regenerate_conversations(conversations, generate, 8, 2))
     assert [r[1] for r in results] == [None, "regenerate_failed", None]
-    assert seen[-1].startswith("regenerating replies: 3/3 conversations (100.0%)") and seen[-1].endswith("done, 1 failed")
+    assert seen[-1].startswith("regenerating replies: 3/3 conversations (100.0%)") and seen[-1].endswith(
+        "done, 1 failed"
+    )
 
 
 class Terminal(io.StringIO):

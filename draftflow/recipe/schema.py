@@ -215,6 +215,13 @@ class EvaluationSection(Section):
         0.10, gt=0, lt=1, description="Allowed relative gap between offline and vLLM acceptance."
     )
     in_vllm: bool = True
+    prompt_set: Literal["held_out", "draftflow-eval"] = Field(
+        "held_out", description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
+        "the project's own 65 prompts in 5 categories (never trained on), τ reported per category."
+    )
+    prompts_per_category: int | None = Field(
+        None, ge=1, description="draftflow-eval only: the first N prompts of each category; None = all."
+    )
 
 
 class PublishSection(Section):

@@ -27,8 +27,14 @@ def _event_tags(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_validation_tau_is_logged_to_metrics_tensorboard_and_a_chart(train_dir):
     recipe = str(train_dir / "recipe.yaml")
-    settings = ["--set", "training.validation_fraction=0.15", "--set", "training.eval_every=2",
-                "--set", "training.epochs=2"]
+    settings = [
+        "--set",
+        "training.validation_fraction=0.15",
+        "--set",
+        "training.eval_every=2",
+        "--set",
+        "training.epochs=2",
+    ]
     metrics, result = _run(TRAIN + [recipe, "--run-id", "val"] + settings)
     validated = [m for m in metrics if "val_tau" in m]
     assert len(validated) >= 3
@@ -64,7 +70,9 @@ def test_the_best_validation_step_is_the_one_exported_when_a_later_one_is_worse(
     plan = Plan.load(str(train_dir / "recipe.yaml"), ["training.validation_fraction=0.1"])
     setup, source = drafter.build(plan), open_source(plan)
     layout = RunLayout(str(train_dir / "run"))
-    monitor, train_items = Monitor.for_plan(plan, setup, source, layout, Runtime(0, 1, 0, torch.device("cpu")))
+    monitor, train_items = Monitor.for_plan(
+        plan, setup, source, layout, Runtime(0, 1, 0, torch.device("cpu"))
+    )
     assert monitor.validation_ids and not set(monitor.validation_ids) & {sid for sid, _ in train_items}
     monitor.start(0, [])
     model = setup.model
@@ -91,4 +99,7 @@ def test_the_best_validation_step_is_the_one_exported_when_a_later_one_is_worse(
     for name, value in learnt.items():
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), value, msg=name)
     assert load_best(layout, drafter.build(plan).model).step == 2  # kept on disk: a rerun finds it
-    assert sorted(p.name for p in Path(layout.best_dir).iterdir()) == ["best.json", "step-00000002.safetensors"]
+    assert sorted(p.name for p in Path(layout.best_dir).iterdir()) == [
+        "best.json",
+        "step-00000002.safetensors",
+    ]

@@ -22,8 +22,16 @@ def tiny_vocab() -> DraftVocab:
 
 def tiny_drafter(kind: str, k: int):
     torch.manual_seed(0)
-    common = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=VOCAB,
-                  draft_vocab_size=len(DRAFT_IDS), rope_theta=10000.0)
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        draft_vocab_size=len(DRAFT_IDS),
+        rope_theta=10000.0,
+    )
     if kind == "dflash":
         cfg = DFlashConfig(**common, num_layers=2, num_context_layers=2, block_size=k + 1, mask_token_id=3)
         return DFlashDrafter(cfg, tiny_vocab()).eval()
@@ -35,7 +43,7 @@ def sample(seed: int, t: int = 40):
     ids = torch.tensor(DRAFT_IDS)[torch.randint(0, 4, (t,), generator=g)]
     hidden = torch.randn(t, 2, 32, generator=g)
     mask = torch.zeros(t, dtype=torch.uint8)
-    mask[t // 4:] = 1  # a prompt, then the response
+    mask[t // 4 :] = 1  # a prompt, then the response
     greedy = torch.tensor(DRAFT_IDS)[torch.randint(0, 4, (t,), generator=g)]
     return hidden, ids, mask, greedy
 
@@ -49,9 +57,9 @@ def naive_counts(model, kind: str, k: int, hidden, ids, mask, greedy) -> validat
         if not mask[a]:
             continue
         if kind == "dflash":
-            draft = model.propose(hidden[None, :a], ids[a:a + 1])[0]
+            draft = model.propose(hidden[None, :a], ids[a : a + 1])[0]
         else:
-            draft = model.propose(hidden[None, :a], ids[None, :a], ids[a:a + 1], k)[0]
+            draft = model.propose(hidden[None, :a], ids[None, :a], ids[a : a + 1], k)[0]
         run = 0
         while run < k and int(draft[run]) == int(greedy[a + run]):
             run += 1
@@ -71,9 +79,14 @@ def test_batched_validation_acceptance_equals_a_naive_per_position_loop(kind):
         hidden, ids, mask, greedy = sample(seed, t=30 + 7 * seed)
         total_naive.merge(naive_counts(model, kind, k, hidden, ids, mask, greedy))
         total.merge(validation.sample_counts(model, kind, k, hidden, ids, mask, greedy))
-    assert total_naive.accepted > 0 and total_naive.accepted_per_position[1] > 0  # not a trivial all-zero case
-    assert (total.drafts, total.accepted, total.accepted_per_position) == \
-        (total_naive.drafts, total_naive.accepted, total_naive.accepted_per_position)
+    assert (
+        total_naive.accepted > 0 and total_naive.accepted_per_position[1] > 0
+    )  # not a trivial all-zero case
+    assert (total.drafts, total.accepted, total.accepted_per_position) == (
+        total_naive.drafts,
+        total_naive.accepted,
+        total_naive.accepted_per_position,
+    )
     assert total.tau == pytest.approx(1 + total_naive.accepted / total_naive.drafts)
 
 
