@@ -98,11 +98,14 @@ def cmd_extract(args: argparse.Namespace) -> int:
     plan = Plan.load(args.recipe, args.overrides)
     bar = ProgressBar()
     bar.line(plan.describe())
+    from draftflow.progress import RichBar, reporting
+
     try:
-        summary = run_extraction(
-            plan, storage_options=storage_options(args), api_key=vllm_api_key_from_env(),
-            progress=bar, verify=not args.no_verify,
-        )
+        with reporting(RichBar()):  # preparation's reply regeneration: a bar of its own
+            summary = run_extraction(
+                plan, storage_options=storage_options(args), api_key=vllm_api_key_from_env(),
+                progress=bar, verify=not args.no_verify,
+            )
     except (VLLMError, ServerStartError, RegenerationError) as err:
         bar.finish()
         print(f"error: {err}", file=sys.stderr)
