@@ -171,15 +171,15 @@ def _write_best(layout: RunLayout, model: torch.nn.Module, best: Best) -> None:
     """Weights first, then best.json naming them (a crash in between keeps the previous best)."""
     trainable = {n: p.detach().float().cpu().contiguous()
                  for n, p in model.named_parameters() if p.requires_grad}
-    fs, _ = fsspec.core.url_to_fs(layout.best_dir)
-    fs.makedirs(fs._strip_protocol(layout.best_dir), exist_ok=True)
+    fs, folder = fsspec.core.url_to_fs(layout.best_dir)
+    fs.makedirs(folder, exist_ok=True)
     previous = _read_best(layout)
     with fsspec.open(best.weights, "wb") as f:
         f.write(save_safetensors(trainable))
     with fsspec.open(layout.best_record, "w") as f:
         f.write(json.dumps(best.as_dict()))
     if previous is not None and previous.weights != best.weights:
-        fs.rm(fs._strip_protocol(previous.weights))
+        fs.rm(fsspec.core.url_to_fs(previous.weights)[1])
 
 
 def _read_best(layout: RunLayout) -> Best | None:
