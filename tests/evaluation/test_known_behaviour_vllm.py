@@ -126,5 +126,7 @@ def test_tau_per_category_in_vllm_equals_the_simulator_per_category(run):
     laughing = [p for p in ev.vllm.per_prompt if CATEGORIES[p.prompt_id] == "laughing"]
     pooled = 1 + sum(p.accepted for p in laughing) / sum(p.drafts for p in laughing)
     assert table["vllm"]["laughing"]["tau"] == pooled
-    assert table["vllm"]["laughing"]["tau"] > 2 and table["vllm"]["singing"]["tau"] == 1.0
+    # " ha" drafter: whole blocks on the laugh, one token on "ha ha!" (pooled: 1.625); nothing elsewhere
+    vllm = table["vllm"]
+    assert vllm["laughing"]["tau"] > 1.5 and vllm["singing"]["tau"] == vllm["facts"]["tau"] == 1.0
     assert "| laughing | 2 |" in open(run["dflash"].paths["summary"]).read()
