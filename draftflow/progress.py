@@ -80,7 +80,8 @@ class Progress:
     """Thread-safe counters for one stage; see the module doc."""
 
     def __init__(self, label: str, total: int | None = None, *, unit: str = "items",
-                 sinks: Sequence[Sink] = (), interval_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 sinks: Sequence[Sink] = (), interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.label, self.total, self.unit = label, total, unit
         self.sinks = list(sinks)
         self.interval_s = interval_s

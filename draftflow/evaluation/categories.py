@@ -37,7 +37,8 @@ class EvalPrompt:
 def load_prompt_set(name: str, per_category: int | None = None) -> list[EvalPrompt]:
     """The set's prompts in file order; with ``per_category``, the first N of each category."""
     if name not in PROMPT_SETS:
-        raise ValueError(f"evaluation.prompt_set: unknown prompt set {name!r} (known: {', '.join(PROMPT_SETS)})")
+        known = ", ".join(PROMPT_SETS)
+        raise ValueError(f"evaluation.prompt_set: unknown prompt set {name!r} (known: {known})")
     prompts, taken = [], {}
     with open(prompt_set_file(name), encoding="utf-8") as f:
         for line in f:
@@ -65,7 +66,8 @@ def per_category(report, categories: dict[str, str]) -> dict[str, dict]:
         cat = categories.get(p.prompt_id)
         if cat is None:
             continue
-        row = out.setdefault(cat, {"prompts": 0, "drafts": 0, "accepted": 0, "accepted_per_position": [0] * k})
+        empty = {"prompts": 0, "drafts": 0, "accepted": 0, "accepted_per_position": [0] * k}
+        row = out.setdefault(cat, empty)
         row["prompts"] += 1
         row["drafts"] += p.drafts
         row["accepted"] += p.accepted

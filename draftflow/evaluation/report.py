@@ -168,7 +168,8 @@ class Evaluation:
         sep = "|" + "---|" * (5 + k)
         lines = [f"# Acceptance of {self.checkpoint}", ""]
         if self.meta:
-            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if not isinstance(v, (list, dict))), ""]
+            shown = {k: v for k, v in self.meta.items() if not isinstance(v, (list, dict))}
+            lines += [", ".join(f"{k}: {v}" for k, v in shown.items()), ""]
         if self.contract_problems:
             lines += ["Contract problems (checkpoint vs its training provenance):", ""]
             lines += [f"- {p}" for p in self.contract_problems] + [""]
@@ -223,7 +224,8 @@ class Evaluation:
         return paths
 
 
-def acceptance_chart(reports: list[AcceptanceReport], path: Path, evaluation: Evaluation | None = None) -> Path:
+def acceptance_chart(reports: list[AcceptanceReport], path: Path,
+                     evaluation: Evaluation | None = None) -> Path:
     """Per-position acceptance; with prompt categories, a second panel of τ per category."""
     import matplotlib
 
@@ -231,7 +233,8 @@ def acceptance_chart(reports: list[AcceptanceReport], path: Path, evaluation: Ev
     import matplotlib.pyplot as plt
 
     with_categories = evaluation is not None and bool(evaluation_categories(evaluation))
-    fig, axes = plt.subplots(1, 2 if with_categories else 1, figsize=(11 if with_categories else 6, 3.5), dpi=100)
+    panels, width_in = (2, 11) if with_categories else (1, 6)
+    fig, axes = plt.subplots(1, panels, figsize=(width_in, 3.5), dpi=100)
     ax = axes[0] if with_categories else axes
     if with_categories:
         draw_categories(axes[1], evaluation)

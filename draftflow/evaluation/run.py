@@ -199,8 +199,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str |
     max_total = launch.max_model_len if in_vllm and launch is not None else None
     categories: dict[str, str] = {}
     if ev.prompt_set == "held_out":
-        names, prompts, dropped = load_eval_prompts(plan, encoder, limit=ev.num_prompts,
-                                                    max_total_tokens=max_total, storage_options=storage_options)
+        names, prompts, dropped = load_eval_prompts(
+            plan, encoder, limit=ev.num_prompts, max_total_tokens=max_total, storage_options=storage_options)
     else:
         names, prompts, dropped, categories = load_prompt_set(plan, encoder, max_total_tokens=max_total)
     if not prompts:

@@ -30,4 +30,5 @@ def test_waiting_for_shards_reports_progress_and_keeps_the_order(prefect_harness
         arts = [a for a in client.read_artifacts(limit=50) if a.key == "progress-test-shards-progress"]
     assert arts and arts[0].type == "progress" and float(arts[0].data) == 100.0
     line = arts[0].description
-    assert line.startswith("extraction: 3/3 shards (100.0%)") and "shards/s" in line and line.endswith("1 failed")
+    assert line.startswith("extraction: 3/3 shards (100.0%)") and "shards/s" in line
+    assert line.endswith("1 failed")

@@ -16,7 +16,8 @@ def test_train_flow_publishes_progress_validation_and_the_exported_step(train_di
     result = train(recipe, ["training.validation_fraction=0.15", "training.epochs=2"], run_id="task")
     assert result["selected"]["step"] >= 1 and result["training_curves"]
     with get_client(sync_client=True) as client:
-        artifacts = {a.key: a for a in client.read_artifacts(limit=200) if a.key and a.key.startswith("train-test")}
+        mine = [a for a in client.read_artifacts(limit=200) if a.key and a.key.startswith("train-test")]
+    artifacts = {a.key: a for a in mine}
     progress = artifacts["train-test-training-progress"]
     assert progress.type == "progress" and float(progress.data) == 100.0
     assert progress.description.startswith(f"training: {result['steps']}/{result['steps']} steps (100.0%)")

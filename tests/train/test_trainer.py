@@ -72,7 +72,8 @@ def test_two_processes_give_the_same_loss_curve_as_one_with_the_same_global_batc
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), (a, b)
         assert b["acc"] == pytest.approx(a["acc"], abs=1e-3)
     # validation: each rank drafts on its share of the held-out samples, the counts are summed
-    val_one, val_two = [m["val_tau"] for m in one if "val_tau" in m], [m["val_tau"] for m in two if "val_tau" in m]
+    val_one = [m["val_tau"] for m in one if "val_tau" in m]
+    val_two = [m["val_tau"] for m in two if "val_tau" in m]
     assert val_one and len(val_one) == len(val_two) and val_two == pytest.approx(val_one, abs=0.02)
 
 
