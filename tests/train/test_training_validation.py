@@ -38,6 +38,10 @@ def test_validation_tau_is_logged_to_metrics_tensorboard_and_a_chart(train_dir):
     metrics, result = _run(TRAIN + [recipe, "--run-id", "val"] + settings)
     validated = [m for m in metrics if "val_tau" in m]
     assert len(validated) >= 3
+    # validated: every 2nd step (training.eval_every) and each epoch's last step, nothing else
+    epoch_ends = {max(m["step"] for m in metrics if m["epoch"] == e) for e in {m["epoch"] for m in metrics}}
+    expected = {s for s in range(1, result["steps"] + 1) if s % 2 == 0} | epoch_ends
+    assert [m["step"] for m in validated] == sorted(expected)
     for m in validated:
         assert m["val_tau"] >= 1.0 and len(m["val_acc"]) == 3 and m["val_drafts"] > 0
         assert m["val_reference"] == "target"
