@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from typing import Any
 
@@ -22,7 +23,8 @@ def run_coroutine(coro: Any) -> Any:
         except BaseException as err:  # re-raised in the caller's thread
             box["error"] = err
 
-    thread = threading.Thread(target=target, name="draftflow-run-coroutine")
+    context = contextvars.copy_context()  # progress sinks (draftflow.progress.reporting) follow
+    thread = threading.Thread(target=context.run, args=(target,), name="draftflow-run-coroutine")
     thread.start()
     thread.join()
     if "error" in box:

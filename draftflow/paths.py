@@ -20,7 +20,10 @@ Layout of a store::
     RUN_DIR/NAME-FINGERPRINT/RUN_ID/         RunLayout: one training run
         metrics.jsonl, train.log
         run.json, .lock, skipped-samples.json  the run's settings, its trainer's lock, samples skipped
+        tensorboard/events.out.tfevents.*    loss and validation τ (`tensorboard --logdir RUN`)
+        training_curves.png                  loss and validation τ against step
         checkpoints/step-NNNNNNNN/{model,optim,state}… + COMPLETE
+        best/step-NNNNNNNN.safetensors + best.json  trainable weights of the best validation τ
         export/                              the speculators folder vLLM serves
         eval/report.json, report.md, acceptance.png
 """
@@ -191,6 +194,25 @@ class RunLayout:
         return join(self.root, "export")
 
     @property
+    def tensorboard_dir(self) -> str:
+        return join(self.root, "tensorboard")
+
+    @property
+    def training_curves(self) -> str:
+        return join(self.root, "training_curves.png")
+
+    @property
+    def best_dir(self) -> str:
+        return join(self.root, "best")
+
+    @property
+    def best_record(self) -> str:
+        return join(self.best_dir, "best.json")
+
+    def best_weights(self, step: int) -> str:
+        return join(self.best_dir, f"step-{int(step):08d}.safetensors")
+
+    @property
     def eval_dir(self) -> str:
         return join(self.root, "eval")
 
@@ -207,11 +229,19 @@ class RunLayout:
         return join(self.eval_dir, "acceptance.png")
 
 
+def prompt_set_file(name: str) -> str:
+    """The evaluation prompt set ``name`` shipped inside the package (JSON lines: id, category, prompt)."""
+    from pathlib import Path
+
+    return str(Path(__file__).parent / "evaluation" / "prompt_sets" / f"{safe_component(name)}.jsonl")
+
+
 # File names inside a checkpoint or export folder (shared by the trainer, exporter and evaluator).
 CHECKPOINT_COMPLETE = "COMPLETE"
 EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_RECIPE = "recipe.yaml"
 EXPORT_COMMAND = "train_command.txt"
+EXPORT_SELECTION = "selection.json"  # which training step was exported, and why
 MODEL_CARD = "README.md"
 PROVENANCE = "provenance.json"

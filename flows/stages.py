@@ -49,7 +49,7 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     with stopped_unless_kept(server, keep_server):
         prepare_data(recipe, overrides, store_block, vllm_block)
         shards, outcomes, reasons = extract_every_shard(recipe, overrides, ref["fingerprint"], store_block,
-                                                         vllm_block)
+                                                         vllm_block, ref["shard_table_key"] + "-progress")
         summary = shard_table(shards, outcomes, ref["shard_table_key"], reasons)
         fail_on_failed_shards(summary)
     return (summary, server) if keep_server else summary

@@ -23,11 +23,14 @@ from draftflow.extraction import expected_samples, extract_shard_by_id, plan_ext
 from draftflow.extraction.run import prepare_data as prepare_data_core
 from draftflow.extraction.shards import staging_folders
 from draftflow.paths import shard_id
+from draftflow.progress import LineSink, Progress, reporting
 from draftflow.store import Store
 from draftflow.store.fp8 import server_dtype
 from draftflow.store.shard import FORMAT_VERSION
 from draftflow.vllm.server import ServerHandle, ensure_running
 from tasks import infra as infra_mod
+from tasks.infra import artifact_key
+from tasks.progress import prefect_sinks
 
 EXTRACTION_TAG = "draftflow-vllm-extraction"
 
@@ -58,7 +61,10 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
     """Tokenised, split, optionally regenerated data in the fingerprinted folder (reused when there)."""
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
-    worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key, storage_options=infra.storage_options)
+    # regeneration (and prompt generation) report done/total, rate, ETA, failures to the log + an artifact
+    with reporting(*prefect_sinks(artifact_key(plan, "preparation-progress"), "data preparation")):
+        worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key,
+                                   storage_options=infra.storage_options)
     report = read_report(plan.data, infra.storage_options)
     get_run_logger().info("data in %s (%s)", plan.data.prepared_dir, "prepared now" if worked else "reused")
     return {"data_root": plan.data.root, "reused": not worked, "report": report}
@@ -110,8 +116,11 @@ def extract_shard(recipe: str, overrides: list[str], fingerprint: str, shard: st
     plan = infra_mod.plan_for(recipe, infra)
     if plan.fingerprint != fingerprint:
         raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
-    result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard, infra.endpoints or plan.recipe.vllm.endpoints,
-                                 api_key=infra.api_key, storage_options=infra.storage_options, verify="cached")
+    with reporting(LineSink(get_run_logger().info)):  # this shard's samples: done/total, rate, ETA, failures
+        result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard,
+                                     infra.endpoints or plan.recipe.vllm.endpoints,
+                                     api_key=infra.api_key, storage_options=infra.storage_options,
+                                     verify="cached")
     return {"shard": shard, "skipped": result.skipped, "samples_ok": result.samples_ok,
             "samples_failed": result.samples_failed, "tokens": result.tokens,
             "failures": [list(f) for f in result.failures][:20]}
@@ -140,8 +149,25 @@ def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: st
     return {"shards": len(shards), "failed": failed}
 
 
+
+def wait_for_shards(futures: list, key: str) -> list:
+    """Outcomes of the shard tasks in their order, reporting shards done/total, rate, ETA and
+    failures to the flow's log and a progress artifact as they finish."""
+    from prefect.futures import as_completed
+
+    position = {id(f): i for i, f in enumerate(futures)}
+    outcomes: list = [None] * len(futures)
+    with Progress("extraction", len(futures), unit="shards", sinks=prefect_sinks(key, "extraction shards"),
+                  interval_s=0.0) as progress:
+        for future in as_completed(futures):
+            outcome = future.result(raise_on_failure=False)
+            outcomes[position[id(future)]] = outcome
+            progress.advance(failed=int(isinstance(outcome, BaseException)))
+    return outcomes
+
+
 def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, store_block: str | None,
-                        vllm_block: str | None) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
+                        vllm_block: str | None, progress_key: str) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
     """One mapped extract-shard task per shard (call it from a flow), each shard's outcome, and why
     each shard had to run (plan-shards' reasons).
 
@@ -152,7 +178,8 @@ def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, sto
     shards = planned["all"]
     args = (unmapped(recipe), unmapped(overrides), unmapped(fingerprint))
     infra = (unmapped(store_block), unmapped(vllm_block))
-    outcomes = [f.result(raise_on_failure=False) for f in extract_shard.map(*args, shards, *infra)]
+    # done/total, rate, ETA and failures as the shard tasks finish
+    outcomes = wait_for_shards(list(extract_shard.map(*args, shards, *infra)), progress_key)
     missing = set(plan_shards(recipe, overrides, store_block)["missing"])
     stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
     if stale:

@@ -2,7 +2,8 @@
 
 torchrun is a process boundary: the trainer knows nothing about Prefect. This task reads
 the trainer's JSON metric lines from stdout, logs them, keeps a progress artifact up to
-date, and fails with the tail of stderr when torchrun fails.
+date (done/total steps, rate, ETA), publishes validation τ, the exported step and the loss /
+validation-τ chart as artifacts, and fails with the tail of stderr when torchrun fails.
 
 torchrun never outlives the task: it runs in its own process group, which the task stops
 (SIGTERM, so the ranks agree on a stop and checkpoint, then SIGKILL after STOP_GRACE_S) on
@@ -21,14 +22,20 @@ import sys
 import threading
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_table_artifact,
+)
 
 from draftflow.plan import Plan
 from draftflow.process_group import stop_group, terminate_with_parent
+from draftflow.progress import Progress
 from draftflow.train import RESULT_PREFIX
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
+from tasks.progress import prefect_sinks
 
 
 def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> list[str]:
@@ -58,8 +65,8 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
     plan = infra_mod.plan_for(recipe, infra)
     cmd = torchrun_command(plan, run_id, max_steps)
     logger.info("training: %s", " ".join(cmd))
-    progress = create_progress_artifact(progress=0.0, key=artifact_key(plan, "training-progress"),
-                                        description=f"training {plan.recipe.name}")
+    sinks = prefect_sinks(artifact_key(plan, "training-progress"), f"training {plan.recipe.name}")
+    progress = Progress("training", None, unit="steps", sinks=sinks)
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
     env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
@@ -76,9 +83,10 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
                 rows.append(record)
                 logger.info("step %(step)s epoch %(epoch)s loss %(loss).4f acc %(acc)s tok/s %(tokens_per_s).0f",
                             record)
-                total = record.get("total_steps") or 0
-                if total:
-                    update_progress_artifact(progress, progress=100.0 * record["step"] / total)
+                if "val_tau" in record:
+                    logger.info("step %(step)s validation τ %(val_tau).4f per position %(val_acc)s "
+                                "(best %(best_val_tau).4f at step %(best_step)s)", record)
+                progress.update(done=record["step"], total=record.get("total_steps") or None)
             elif line.startswith(RESULT_PREFIX):
                 result = json.loads(line[len(RESULT_PREFIX):])
         code = proc.wait()
@@ -88,7 +96,8 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
             logger.warning("training stopped: torchrun (process group %s) was ended with the task", proc.pid)
     if code != 0 or result is None:
         raise RuntimeError(f"torchrun exited with {code}; stderr tail:\n" + "".join(stderr_tail))
-    update_progress_artifact(progress, progress=100.0)
+    progress.close()
+    _validation_artifacts(plan, rows, result)
     if rows:
         create_table_artifact(
             key=artifact_key(plan, "training-metrics"),
@@ -99,3 +108,34 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
         )
     return result
 
+
+
+def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
+    """Validation τ per validation, the exported step, and the loss / validation-τ chart."""
+    validated = [r for r in rows if "val_tau" in r]
+    selected = result.get("selected") or {}
+    if validated:
+        create_table_artifact(
+            key=artifact_key(plan, "training-validation"),
+            table=[{"step": r["step"], "epoch": r["epoch"], "val_tau": round(r["val_tau"], 4),
+                    **{f"val_acc_{i + 1}": a for i, a in enumerate(r["val_acc"])},
+                    "exported": r["step"] == selected.get("step")} for r in validated],
+            description="validation acceptance (teacher-forced τ) during training",
+        )
+    curves = result.get("training_curves")
+    lines = [f"# Training of {plan.recipe.name}", ""]
+    if selected:
+        tau = selected.get("val_tau")
+        lines.append(f"Exported step {selected['step']} of {result['steps']} ({selected.get('reason')}"
+                     + (f", validation τ {tau:.4f})" if tau is not None else ")"))
+    lines.append(f"TensorBoard: `tensorboard --logdir {result['run_dir']}`")
+    if curves and os.path.isfile(curves):
+        import base64
+
+        with open(curves, "rb") as f:
+            png = base64.b64encode(f.read()).decode()
+        lines += ["", f"![loss and validation τ](data:image/png;base64,{png})"]
+        create_link_artifact(key=artifact_key(plan, "training-curves"), link=f"file://{curves}",
+                             description="loss and validation τ against step (PNG)")
+    create_markdown_artifact(key=artifact_key(plan, "training-summary"), markdown="\n".join(lines) + "\n",
+                             description="exported step and training curves")

@@ -32,8 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 class ProgressBar:
-    """Progress on stderr: one line redrawn in place on a terminal (samples done/total, tokens/s,
-    failures); in a log (not a terminal), one plain line per stage and per committed shard."""
+    """Progress on stderr: a ``rich`` bar on a terminal (samples done/total, rate, ETA, failures;
+    :mod:`draftflow.progress`); in a log (not a terminal), one plain line per stage and per
+    committed shard."""
 
     def __init__(self, stream: TextIO | None = None, interval_s: float = 0.2):
         self.stream = stream or sys.stderr
@@ -41,6 +42,7 @@ class ProgressBar:
         self.interval_s = interval_s
         self.last_draw = 0.0
         self.open_line = False
+        self.progress = None  # draftflow.progress.Progress drawing the rich bar (terminal only)
 
     def __call__(self, p: ExtractionProgress) -> None:
         if p.event == "stage" and p.stage != "extract":
@@ -52,12 +54,13 @@ class ProgressBar:
             if p.event == "shard":
                 self.line(f"{self.render(p)}  {p.message}")
             return
-        now = time.monotonic()
-        if p.event == "sample" and now - self.last_draw < self.interval_s and p.samples_done < p.samples_planned:
-            return
-        self.stream.write("\r" + self.render(p) + "\x1b[K")
-        self.stream.flush()
-        self.last_draw, self.open_line = now, True
+        from draftflow.progress import Progress, RichBar
+
+        if self.progress is None:
+            self.progress = Progress("extract", p.samples_planned, unit="samples",
+                                     sinks=[RichBar(self.stream)], interval_s=self.interval_s)
+        self.progress.update(done=p.samples_done, failed=p.samples_failed)
+        self.last_draw = time.monotonic()
 
     @staticmethod
     def render(p: ExtractionProgress) -> str:
@@ -74,6 +77,9 @@ class ProgressBar:
         self.stream.flush()
 
     def finish(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
         if self.open_line:
             self.stream.write("\n")
             self.open_line = False
@@ -89,11 +95,14 @@ def cmd_extract(args: argparse.Namespace) -> int:
     plan = Plan.load(args.recipe, args.overrides)
     bar = ProgressBar()
     bar.line(plan.describe())
+    from draftflow.progress import RichBar, reporting
+
     try:
-        summary = run_extraction(
-            plan, storage_options=storage_options(args), api_key=vllm_api_key_from_env(),
-            progress=bar, verify=not args.no_verify,
-        )
+        with reporting(RichBar()):  # preparation's reply regeneration: a bar of its own
+            summary = run_extraction(
+                plan, storage_options=storage_options(args), api_key=vllm_api_key_from_env(),
+                progress=bar, verify=not args.no_verify,
+            )
     except (VLLMError, ServerStartError, RegenerationError) as err:
         bar.finish()
         print(f"error: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from draftflow.data.sources import Conversation
+from draftflow.progress import stage
 
 Generate = Callable[[list[dict], int], Awaitable[str]]
 
@@ -72,9 +73,12 @@ async def regenerate_conversations(
             out[i] = {"role": "assistant", "content": reply.strip()}
         return out, None
 
+    progress = stage("regenerating replies", len(conversations), unit="conversations")
+
     async def worker() -> None:
         for idx in pending:  # the shared iterator hands each index to exactly one worker
             results[idx] = await one(conversations[idx])
+            progress.advance(failed=int(results[idx][0] is None))
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(conversations))))]
     try:
@@ -85,4 +89,6 @@ async def regenerate_conversations(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        progress.close()
     return results, errors

@@ -15,6 +15,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from draftflow.evaluation.categories import (
+    category_markdown,
+    draw_categories,
+    evaluation_categories,
+)
+
 
 @dataclass
 class PromptAcceptance:
@@ -143,6 +149,7 @@ class Evaluation:
             "contract_problems": list(self.contract_problems),
             "publishable": self.publishable,
             "meta": self.meta,
+            "per_category": evaluation_categories(self),
         }
 
     @classmethod
@@ -166,7 +173,8 @@ class Evaluation:
         sep = "|" + "---|" * (5 + k)
         lines = [f"# Acceptance of {self.checkpoint}", ""]
         if self.meta:
-            lines += [", ".join(f"{k}: {v}" for k, v in self.meta.items() if not isinstance(v, list)), ""]
+            shown = {k: v for k, v in self.meta.items() if not isinstance(v, (list, dict))}
+            lines += [", ".join(f"{k}: {v}" for k, v in shown.items()), ""]
         if self.contract_problems:
             lines += ["Contract problems (checkpoint vs its training provenance):", ""]
             lines += [f"- {p}" for p in self.contract_problems] + [""]
@@ -182,6 +190,7 @@ class Evaluation:
                              "own greedy output" + (" (same server, no drafter)" if r.source == "vllm" else ""))
             notes += [f"- {r.source}: {note}" for note in r.notes]
         lines += [""] + notes if notes else []
+        lines += category_markdown(self)
         lines += self._per_prompt_table(rows)
         if self.vllm and self.vllm.throughput:
             t = self.vllm.throughput
@@ -216,18 +225,25 @@ class Evaluation:
                  "chart": folder / "acceptance.png"}
         paths["report"].write_text(json.dumps(self.to_dict(), indent=2))
         paths["summary"].write_text(self.markdown())
-        acceptance_chart([r for r in (self.offline, self.vllm) if r], paths["chart"])
+        acceptance_chart([r for r in (self.offline, self.vllm) if r], paths["chart"], evaluation=self)
         return paths
 
 
-def acceptance_chart(reports: list[AcceptanceReport], path: Path) -> Path:
+def acceptance_chart(reports: list[AcceptanceReport], path: Path,
+                     evaluation: Evaluation | None = None) -> Path:
+    """Per-position acceptance; with prompt categories, a second panel of τ per category."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    with_categories = evaluation is not None and bool(evaluation_categories(evaluation))
+    panels, width_in = (2, 11) if with_categories else (1, 6)
+    fig, axes = plt.subplots(1, panels, figsize=(width_in, 3.5), dpi=100)
+    ax = axes[0] if with_categories else axes
+    if with_categories:
+        draw_categories(axes[1], evaluation)
     width = 0.8 / max(1, len(reports))
     for j, r in enumerate(reports):
         xs = [i + 1 + (j - (len(reports) - 1) / 2) * width for i in range(r.draft_length)]

@@ -28,7 +28,12 @@ import fsspec
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import eval_prompts
 from draftflow.evaluation.contract import ContractError, check_contract
-from draftflow.evaluation.in_vllm import LaunchServerFactory, ServerFactory, VLLMResult, evaluate_in_vllm
+from draftflow.evaluation.in_vllm import (
+    LaunchServerFactory,
+    ServerFactory,
+    VLLMResult,
+    evaluate_in_vllm,
+)
 from draftflow.evaluation.offline import OfflineResult, evaluate_offline
 from draftflow.evaluation.report import Evaluation
 from draftflow.models import algorithm_class, speculators
@@ -148,6 +153,25 @@ def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict 
     return names, ids, dropped
 
 
+def load_prompt_set(plan: Plan, encoder, *, max_total_tokens: int | None = None
+                    ) -> tuple[list[str], list[list[int]], int, dict[str, str]]:
+    """(prompt ids, token ids, dropped, {prompt id: category}) of the recipe's ``evaluation.prompt_set``
+    (see :mod:`draftflow.evaluation.categories`), chat template applied, too-long prompts dropped."""
+    from draftflow.evaluation import categories as cat
+
+    ev = plan.recipe.evaluation
+    names, ids, dropped, kinds = [], [], 0, {}
+    for prompt in cat.load_prompt_set(ev.prompt_set, ev.prompts_per_category):
+        tokens = encoder.prompt_ids(prompt.messages)
+        if max_total_tokens is not None and len(tokens) + ev.max_new_tokens > max_total_tokens:
+            dropped += 1
+            continue
+        names.append(prompt.prompt_id)
+        ids.append(tokens)
+        kinds[prompt.prompt_id] = prompt.category
+    return names, ids, dropped, kinds
+
+
 def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str | Path, *, in_vllm: bool | None = None,
                         server_factory: ServerFactory | None = None, out_dir: str | Path | None = None,
                         overrides: Sequence[str] = (), storage_options: dict | None = None,
@@ -168,13 +192,21 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str |
         server_factory = LaunchServerFactory(launch, log_dir=log_dir)
     encoder = load_chat_encoder(plan.recipe.target)
     max_total = launch.max_model_len if in_vllm and launch is not None else None
-    names, prompts, dropped = load_eval_prompts(plan, encoder, limit=ev.num_prompts, storage_options=storage_options,
-                                                max_total_tokens=max_total)
+    categories: dict[str, str] = {}
+    if ev.prompt_set == "held_out":
+        names, prompts, dropped = load_eval_prompts(
+            plan, encoder, limit=ev.num_prompts, max_total_tokens=max_total, storage_options=storage_options)
+    else:
+        names, prompts, dropped, categories = load_prompt_set(plan, encoder, max_total_tokens=max_total)
     if not prompts:
-        raise EvaluationError(f"no eval prompts in {plan.data.prepared_dir} (data.eval_samples "
-                              f"{plan.recipe.data.eval_samples}, {dropped} too long for max_model_len {max_total})")
+        raise EvaluationError(f"no eval prompts ({ev.prompt_set}) in {plan.data.prepared_dir} "
+                              f"(data.eval_samples {plan.recipe.data.eval_samples}, {dropped} too long for "
+                              f"max_model_len {max_total})")
     meta = {"recipe": plan.recipe.name, "fingerprint": plan.fingerprint, "target": plan.target_model,
-            "prompts": len(prompts), "dropped_too_long": dropped, "prompt_ids": names}
+            "prompts": len(prompts), "dropped_too_long": dropped, "prompt_ids": names,
+            "prompt_set": ev.prompt_set}
+    if categories:
+        meta["prompt_categories"] = categories
     issue = known_vllm_issue(checkpoint_dir, launch.device) if in_vllm and launch is not None else None
     if issue:
         meta["known_issue"] = issue

@@ -197,8 +197,15 @@ def extract_shard_by_id(
     if planned is None:
         return ShardResult(shard_id, 0, 0, 0, 0, 0.0, None, skipped=True)
 
+    from draftflow.progress import stage
+
     async def go() -> ShardResult:
-        async with make_client(plan, endpoints, api_key) as client:
-            return await extract_shard(plan, store, planned, client)
+        progress = stage(f"extract shard {shard_id}", len(planned.sample_ids), unit="samples")
+        try:
+            async with make_client(plan, endpoints, api_key) as client:
+                return await extract_shard(plan, store, planned, client,
+                                           on_sample=lambda _tokens, ok: progress.advance(failed=int(not ok)))
+        finally:
+            progress.close()
 
     return run_coroutine(go())

@@ -229,6 +229,14 @@ class TrainingSection(Section):
     seed: int = 0
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="Steps; 0 = only at each epoch end.")
+    validation_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of the stored train samples held out (chosen by a hash of the "
+        "sample id, never trained on) to measure acceptance during training; 0 = no validation."
+    )
+    validation_max_samples: int = Field(64, ge=0, description="At most this many validation samples.")
+    eval_every: int = Field(
+        0, ge=0, description="Steps between validations besides every epoch end; 0 = epoch ends only."
+    )
     run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
     max_missing_fraction: float = Field(
         0.0, ge=0, lt=1,
@@ -255,6 +263,13 @@ class EvaluationSection(Section):
         0.10, gt=0, lt=1, description="Allowed relative gap between offline and vLLM acceptance."
     )
     in_vllm: bool = True
+    prompt_set: Literal["held_out", "draftflow-eval"] = Field(
+        "held_out", description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
+        "the project's own 65 prompts in 5 categories (never trained on), τ reported per category."
+    )
+    prompts_per_category: int | None = Field(
+        None, ge=1, description="draftflow-eval only: the first N prompts of each category; None = all."
+    )
 
 
 class PublishSection(Section):

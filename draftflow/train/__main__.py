@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, argv, plan, layout, runtime) -> int:
     from draftflow.sample_source import open_source
     from draftflow.train import drafter, loop, run_state
+    from draftflow.train.monitor import Monitor
 
     if runtime.is_main:  # builds and caches the draft vocabulary; the others then read it
         setup = drafter.build(plan, is_main=True)
@@ -74,17 +75,47 @@ def _train(args, argv, plan, layout, runtime) -> int:
     run_state.record_skipped(layout, runtime, source.skipped)
     run_state.check_settings_agreed(
         layout, runtime, run_state.run_settings(plan.recipe, runtime.world_size, list(source.skipped)))
-    result = loop.train(setup, source, layout, runtime, plan.recipe.training, max_steps=args.max_steps)
-    export_dir = None
+    monitor, train_items = Monitor.for_plan(plan, setup, source, layout, runtime)
+    result = loop.train(setup, source, layout, runtime, plan.recipe.training, max_steps=args.max_steps,
+                        monitor=monitor, train_items=train_items)
+    export_dir, selected = None, None
     if runtime.is_main and not result.interrupted and not args.no_export:
+        selected = _select(setup, layout, result.steps, monitor)
         export_dir = _export(setup, plan, layout.export_dir, argv)
+        _write_selection(export_dir, selected)
     if runtime.is_main:
         summary = {"steps": result.steps, "resumed_from": result.resumed_from,
                    "torn_checkpoints": result.torn_checkpoints, "skipped_samples": len(source.skipped),
                    "interrupted": result.interrupted, "run_dir": layout.root,
-                   "export_dir": export_dir, "metrics": result.last_metrics}
+                   "export_dir": export_dir, "metrics": result.last_metrics, "selected": selected,
+                   "training_curves": layout.training_curves if monitor.validations else None}
         print(RESULT_PREFIX + json.dumps(summary), flush=True)
     return EXIT_INTERRUPTED if result.interrupted else 0
+
+
+def _select(setup, layout, last_step: int, monitor) -> dict:
+    """Load the best validation step's weights into the model (if validated); say which step."""
+    from draftflow.train.monitor import load_best
+
+    best = load_best(layout, setup.model) if monitor.validations else None
+    if best is None:
+        selected = {"step": last_step, "reason": "last step (no validation split)", "val_tau": None}
+    else:
+        selected = {"step": best.step, "val_tau": best.tau, "last_step": last_step,
+                    "validations": monitor.validations,
+                    "reason": "best validation τ (teacher-forced, see draftflow/train/validation.py)"}
+    print(f"exporting the weights of step {selected['step']}: {selected['reason']}"
+          + (f", validation τ {best.tau:.4f}" if best else ""), file=sys.stderr, flush=True)
+    return selected
+
+
+def _write_selection(export_url: str, selected: dict) -> None:
+    import fsspec
+
+    from draftflow.paths import EXPORT_SELECTION, join
+
+    with fsspec.open(join(export_url, EXPORT_SELECTION), "w") as f:
+        f.write(json.dumps(selected, indent=2) + "\n")
 
 
 def _export(setup, plan, export_url: str, argv) -> str:

@@ -12,6 +12,7 @@ through DistributedDataParallel: the drafters' losses call model methods other t
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -62,12 +63,14 @@ def anchor_generator(seed: int, step: int, pack_index: int, device: torch.device
 
 
 def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runtime, training,
-          max_steps: int | None = None) -> LoopResult:
-    """`training` is the recipe's TrainingSection."""
+          max_steps: int | None = None, monitor=None, train_items: list | None = None) -> LoopResult:
+    """`training` is the recipe's TrainingSection. `monitor` (a :class:`draftflow.train.monitor.Monitor`)
+    validates and writes TensorBoard; `train_items` (default: every source item) excludes its split."""
     torch.manual_seed(training.seed)
     model = setup.model.to(runtime.device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    plan = StepPlan.build(source.items(), epochs=training.epochs, seed=training.seed,
+    items = source.items() if train_items is None else train_items
+    plan = StepPlan.build(items, epochs=training.epochs, seed=training.seed,
                           pack_length=training.pack_length, batch_size=training.batch_size,
                           world_size=runtime.world_size)
     optimizer = torch.optim.AdamW(trainable, lr=training.lr, weight_decay=training.weight_decay)
@@ -81,6 +84,8 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
               f"(step {state.step})", file=sys.stderr, flush=True)
     metrics = MetricsLog(layout.metrics, enabled=runtime.is_main)
     metrics.truncate_after(state.step)
+    if monitor is not None:
+        monitor.start(state.step, [json.loads(ln) for ln in metrics.lines])
 
     loader = StepLoader(plan, source, setup.layers, rank=runtime.rank, world_size=runtime.world_size,
                         with_last=setup.with_last, start_epoch=state.epoch, start_step=state.epoch_step)
@@ -113,10 +118,15 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
             loader.wait_s = 0.0
 
             end_of_epoch = state.epoch_step == plan.epoch_lengths[batch.epoch]
-            if state.step % training.log_every == 0 or end_of_epoch:
+            validate = monitor is not None and monitor.validation_due(state.step, end_of_epoch)
+            if state.step % training.log_every == 0 or end_of_epoch or validate:
                 last = window.record(state, runtime, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                                      total_steps=plan.total_steps)
+                if validate:
+                    last.update(monitor.validate(model, state.step))
                 metrics.log(last)
+                if monitor is not None:
+                    monitor.logged(last)
             if end_of_epoch:
                 state.epoch, state.epoch_step = state.epoch + 1, 0
             stopping = bool(runtime.ranks_with(stop.requested))
@@ -124,11 +134,15 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
                 if runtime.is_main:
                     checkpointing.save(layout, model, optimizer, scheduler, state)
                     metrics.flush()
+                    if monitor is not None:
+                        monitor.flush()
                 runtime.barrier()
             if stopping:
                 return LoopResult(state.step, resumed, True, last, found.torn)
     finally:
         stop.restore()
+        if monitor is not None:
+            monitor.close()
     return LoopResult(state.step, resumed, False, last, found.torn)
 
 

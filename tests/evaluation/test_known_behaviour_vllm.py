@@ -36,6 +36,7 @@ QUESTIONS = {
     "france": "What is the capital of France?",  # short answer, ends with EOS
 }
 MAX_NEW_TOKENS = 32
+CATEGORIES = {"laugh": "laughing", "ha-ha": "laughing", "sing": "singing", "france": "facts"}
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +49,21 @@ def run(smollm2_dir, smollm2_model, prompts, vllm_servers, tmp_path_factory):
     factory = reusing_factory(vllm_servers.get, max_model_len=1024)
     root = tmp_path_factory.mktemp("known")
 
-    def evaluate(folder, measure_baseline: bool):
+    def evaluate(folder, measure_baseline: bool, meta: dict | None = None):
         return evaluate_prompts(
             folder, prompts, target=str(smollm2_dir), max_new_tokens=MAX_NEW_TOKENS, stop_ids=[EOS],
             min_acceptance_length=1.1, agreement_tolerance=0.001, prompt_names=list(QUESTIONS), in_vllm=True,
             server_factory=factory, out_dir=folder.with_name(folder.name + "-eval"),
             target_info=read_target_info(str(smollm2_dir)), fingerprint="test-fp",
-            measure_baseline=measure_baseline, model=smollm2_model,
+            measure_baseline=measure_baseline, model=smollm2_model, meta=meta,
         )
 
     return {
         "eagle3": evaluate(eagle3_checkpoint(smollm2_dir, root / "eagle3", fixed_token=NA, speculative_tokens=4),
                            measure_baseline=False),
         "dflash": evaluate(dflash_checkpoint(smollm2_dir, root / "dflash", fixed_token=HA, block_size=4),
-                           measure_baseline=True),
+                           measure_baseline=True,
+                           meta={"prompt_set": "known", "prompt_categories": CATEGORIES}),
     }
 
 
@@ -115,3 +117,16 @@ def test_reports_written(run):
     assert data["vllm"]["throughput"]["speedup"] > 0 and data["offline"]["per_prompt"][0]["prompt_id"] == "laugh"
     assert "| vllm | 4 |" in open(paths["summary"]).read()
     assert open(paths["chart"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tau_per_category_in_vllm_equals_the_simulator_per_category(run):
+    ev = run["dflash"].evaluation
+    table = ev.to_dict()["per_category"]
+    assert table["vllm"] == table["offline"] and set(table["vllm"]) == {"laughing", "singing", "facts"}
+    laughing = [p for p in ev.vllm.per_prompt if CATEGORIES[p.prompt_id] == "laughing"]
+    pooled = 1 + sum(p.accepted for p in laughing) / sum(p.drafts for p in laughing)
+    assert table["vllm"]["laughing"]["tau"] == pooled
+    # " ha" drafter: whole blocks on the laugh, one token on "ha ha!" (pooled: 1.625); nothing elsewhere
+    vllm = table["vllm"]
+    assert vllm["laughing"]["tau"] > 1.5 and vllm["singing"]["tau"] == vllm["facts"]["tau"] == 1.0
+    assert "| laughing | 2 |" in open(run["dflash"].paths["summary"]).read()

@@ -71,6 +71,10 @@ def test_two_processes_give_the_same_loss_curve_as_one_with_the_same_global_batc
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), (a, b)
         assert b["acc"] == pytest.approx(a["acc"], abs=1e-3)
+    # validation: each rank drafts on its share of the held-out samples, the counts are summed
+    val_one = [m["val_tau"] for m in one if "val_tau" in m]
+    val_two = [m["val_tau"] for m in two if "val_tau" in m]
+    assert val_one and len(val_one) == len(val_two) and val_two == pytest.approx(val_one, abs=0.02)
 
 
 def test_kill_9_mid_epoch_resumes_from_the_last_complete_checkpoint(train_dir):

@@ -1,0 +1,255 @@
+"""What the trainer reports besides its loss: validation τ, the best step, TensorBoard, a chart.
+
+:class:`Monitor` is handed to :func:`draftflow.train.loop.train`. It holds the validation
+split back from training, runs :mod:`draftflow.train.validation` at every epoch end and
+every ``training.eval_every`` steps, keeps the trainable weights of the best validation τ
+in ``RUN/best/`` (exported instead of the last step's), writes every logged record to
+TensorBoard event files under ``RUN/tensorboard`` and redraws ``RUN/training_curves.png``.
+Only rank 0 writes; every rank runs the validation (the counts are all-reduced).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import fsspec
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from draftflow.paths import RunLayout
+from draftflow.train import validation
+from draftflow.train.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class Best:
+    step: int
+    tau: float
+    weights: str  # URL of the trainable weights
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "val_tau": self.tau, "weights": self.weights}
+
+
+def _is_local(url: str) -> bool:
+    fs, _ = fsspec.core.url_to_fs(url)
+    return "file" in fs.protocol or fs.protocol in ("file", "local")
+
+
+class Monitor:
+    def __init__(self, *, layout: RunLayout, runtime: Runtime, source, kind: str, draft_length: int,
+                 target_model: str, last_layer: int | None, context_layers: tuple[int, ...],
+                 validation_ids: list[str], eval_every: int = 0, board: bool = True):
+        self.layout, self.runtime, self.source = layout, runtime, source
+        self.kind, self.draft_length = kind, int(draft_length)
+        self.target_model, self.last_layer, self.context_layers = target_model, last_layer, context_layers
+        self.validation_ids = list(validation_ids)
+        self.eval_every = int(eval_every)
+        self.best: Best | None = None
+        self.validations = 0
+        self._greedy: dict[str, torch.Tensor] = {}
+        self._head = None
+        self._records: list[dict] = []
+        self._board = _Board(layout) if board and runtime.is_main else None
+        self._bar = None
+        if runtime.is_main and sys.stderr.isatty():  # a person at a terminal: a rich bar on stderr
+            from draftflow.progress import Progress, RichBar
+
+            self._bar = Progress("training", None, unit="steps", sinks=[RichBar()], interval_s=1.0)
+
+    @classmethod
+    def for_plan(cls, plan, setup, source, layout: RunLayout, runtime: Runtime) -> tuple[Monitor, list]:
+        """(monitor, train items): the recipe's validation split held back from training."""
+        t = plan.recipe.training
+        train_items, held = validation.split_items(source.items(), t.validation_fraction,
+                                                   t.validation_max_samples)
+        spec = plan.recipe.drafter
+        monitor = cls(layout=layout, runtime=runtime, source=source, kind=spec.kind,
+                      draft_length=spec.speculative_tokens, target_model=plan.target_model,
+                      last_layer=setup.layers.last, context_layers=setup.layers.context,
+                      validation_ids=held, eval_every=t.eval_every)
+        return monitor, train_items
+
+    # -- the loop's hooks ---------------------------------------------------------------
+
+    def start(self, step: int, earlier_records: list[dict]) -> None:
+        """After a resume at ``step``: earlier records and the best step up to it are kept."""
+        self._records = [r for r in earlier_records if r.get("step", 0) <= step]
+        self.validations = sum(1 for r in self._records if "val_tau" in r)
+        self.best = _read_best(self.layout)
+        if self.best is not None and self.best.step > step:  # from steps about to run again
+            self.best = None
+        if self._board is not None:
+            self._board.open(purge_step=step + 1 if step else None)
+
+    def validation_due(self, step: int, end_of_epoch: bool) -> bool:
+        if not self.validation_ids:
+            return False
+        return end_of_epoch or (self.eval_every > 0 and step % self.eval_every == 0)
+
+    def validate(self, model: torch.nn.Module, step: int) -> dict:
+        """Every rank calls this at the same step; returns the record fields (same on all ranks)."""
+        counts = validation.AcceptanceCounts(self.draft_length)
+        mine = self.validation_ids[self.runtime.rank::self.runtime.world_size]
+        device = self.runtime.device
+        with torch.no_grad(), self.runtime.autocast():
+            for sample in self.source.load(mine):
+                hidden = sample.hidden_states[:, list(self.context_layers)].to(device)
+                ids, mask = sample.token_ids.long().to(device), sample.loss_mask.to(device)
+                greedy = self._greedy_next(sample).to(device)
+                counts.merge(validation.sample_counts(model, self.kind, self.draft_length, hidden, ids, mask,
+                                                      greedy))
+        total = self.runtime.all_reduce_sum(counts.as_tensor().to(device)).cpu()
+        counts = validation.AcceptanceCounts.from_tensor(self.draft_length, total)
+        self.validations += 1
+        record = {"val_tau": counts.tau, "val_acc": [round(p, 4) for p in counts.per_position],
+                  "val_drafts": counts.drafts, "val_samples": len(self.validation_ids),
+                  "val_reference": "target" if self.last_layer is not None else "data"}
+        if self.best is None or counts.tau > self.best.tau:
+            self.best = Best(step, counts.tau, self.layout.best_weights(step))
+            if self.runtime.is_main:
+                _write_best(self.layout, model, self.best)
+        record["best_step"], record["best_val_tau"] = self.best.step, self.best.tau
+        return record
+
+    def logged(self, record: dict) -> None:
+        """After each metrics line (rank 0 writes TensorBoard; the chart after validations)."""
+        if not self.runtime.is_main:
+            return
+        self._records.append(record)
+        if self._bar is not None:
+            self._bar.update(done=record["step"], total=record.get("total_steps"))
+        if self._board is not None:
+            self._board.add(record)
+        if "val_tau" in record:
+            self.write_curves()
+
+    def flush(self) -> None:
+        if self._board is not None:
+            self._board.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._board is not None:
+            self._board.close()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _greedy_next(self, sample) -> torch.Tensor:
+        """g[i] (see validation's module doc), cached per sample: the head is frozen."""
+        cached = self._greedy.get(sample.sample_id)
+        if cached is not None:
+            return cached
+        if self.last_layer is None:
+            g = torch.cat([sample.token_ids[1:].long(), torch.full((1,), -1, dtype=torch.long)])
+        else:
+            if self._head is None:
+                from draftflow.models.target_weights import TargetHead
+
+                self._head = TargetHead.from_pretrained(self.target_model, None).to(self.runtime.device)
+            g = self._head(sample.hidden_states[:, self.last_layer].to(self.runtime.device)).argmax(-1).cpu()
+        self._greedy[sample.sample_id] = g
+        return g
+
+    def write_curves(self) -> str:
+        from draftflow.train.curves import plot_training_curves
+
+        with tempfile.TemporaryDirectory() as tmp:
+            local = f"{tmp}/curves.png"
+            plot_training_curves(self._records, local, best_step=self.best.step if self.best else None)
+            fs, path = fsspec.core.url_to_fs(self.layout.training_curves)
+            fs.put_file(local, path)
+        return self.layout.training_curves
+
+
+def _write_best(layout: RunLayout, model: torch.nn.Module, best: Best) -> None:
+    """Weights first, then best.json naming them (a crash in between keeps the previous best)."""
+    trainable = {n: p.detach().float().cpu().contiguous()
+                 for n, p in model.named_parameters() if p.requires_grad}
+    fs, folder = fsspec.core.url_to_fs(layout.best_dir)
+    fs.makedirs(folder, exist_ok=True)
+    previous = _read_best(layout)
+    with fsspec.open(best.weights, "wb") as f:
+        f.write(save_safetensors(trainable))
+    with fsspec.open(layout.best_record, "w") as f:
+        f.write(json.dumps(best.as_dict()))
+    if previous is not None and previous.weights != best.weights:
+        fs.rm(fsspec.core.url_to_fs(previous.weights)[1])
+
+
+def _read_best(layout: RunLayout) -> Best | None:
+    fs, path = fsspec.core.url_to_fs(layout.best_record)
+    if not fs.exists(path):
+        return None
+    data = json.loads(fs.cat_file(path))
+    return Best(int(data["step"]), float(data["val_tau"]), data["weights"])
+
+
+def load_best(layout: RunLayout, model: torch.nn.Module) -> Best | None:
+    """Copy the best validation step's trainable weights into ``model``; None if there is none."""
+    best = _read_best(layout)
+    if best is None:
+        return None
+    with fsspec.open(best.weights, "rb") as f:
+        weights = load_safetensors(f.read())
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value.to(params[name].dtype))
+    return best
+
+
+class _Board:
+    """TensorBoard scalars of every metrics record (rank 0). Remote run folders: event files
+    are written locally and uploaded at each flush."""
+
+    def __init__(self, layout: RunLayout):
+        self.url = layout.tensorboard_dir
+        self.local = _is_local(self.url)
+        self.writer = None
+        self._tmp = None
+
+    def open(self, purge_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.local:
+            folder = fsspec.core.url_to_fs(self.url)[1]
+        else:
+            self._tmp = tempfile.TemporaryDirectory()
+            folder = self._tmp.name
+        self.writer = SummaryWriter(log_dir=folder, purge_step=purge_step)
+
+    def add(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = int(record["step"])
+        for key in ("loss", "lr", "tokens_per_s", "acceptance_length", "grad_norm"):
+            if key in record:
+                self.writer.add_scalar(f"train/{key}", float(record[key]), step)
+        for i, a in enumerate(record.get("acc", [])):
+            self.writer.add_scalar(f"train/acc_{i + 1}", float(a), step)
+        if "val_tau" in record:
+            self.writer.add_scalar("val/tau", float(record["val_tau"]), step)
+            for i, a in enumerate(record["val_acc"]):
+                self.writer.add_scalar(f"val/acc_{i + 1}", float(a), step)
+
+    def flush(self) -> None:
+        if self.writer is None:
+            return
+        self.writer.flush()
+        if not self.local:
+            fs, path = fsspec.core.url_to_fs(self.url)
+            fs.put(self._tmp.name + "/", path, recursive=True)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.flush()
+            self.writer.close()
+            self.writer = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
