@@ -21,11 +21,8 @@ def prepare(recipe: str, overrides: list[str] | None = None, store_block: str | 
             vllm_block: str | None = None) -> dict:
     overrides = list(overrides or [])
     resolve_plan(recipe, overrides)
-    server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
-    try:
-        return prepare_data(recipe, overrides, store_block, vllm_block)
-    finally:
-        server.stop()
+    # Starts (and stops) a plain vLLM server itself when the target must write text.
+    return prepare_data(recipe, overrides, store_block, vllm_block)
 
 
 @flow(name="draftflow-extract", log_prints=True)
@@ -38,9 +35,10 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     """
     overrides = list(overrides or [])
     ref = resolve_plan(recipe, overrides)
+    # Preparation first, on a plain server (generation at full speed), then the extraction server.
+    prepare_data(recipe, overrides, store_block, vllm_block)
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
     try:
-        prepare_data(recipe, overrides, store_block, vllm_block)
         shards = plan_shards(recipe, overrides, store_block)["all"]
         args = (unmapped(recipe), unmapped(overrides), unmapped(ref["fingerprint"]))
         infra = (unmapped(store_block), unmapped(vllm_block))
