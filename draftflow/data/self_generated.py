@@ -132,7 +132,12 @@ class _Partial:
         self.firsts: dict[int, Sampled] = {}
         self.conversations: dict[int, tuple[Conversation | None, str | None, str | None]] = {}
         if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+            text = self.path.read_text(encoding="utf-8")
+            if text and not text.endswith("\n"):  # torn by a kill: cut it, or the next line would join it
+                text = text[: text.rfind("\n") + 1]
+                with open(self.path, "r+", encoding="utf-8") as f:
+                    f.truncate(len(text.encode("utf-8")))
+            for line in text.splitlines():
                 try:
                     record = json.loads(line)
                 except ValueError:
@@ -229,8 +234,11 @@ async def _generate(settings: SelfGeneratedSection, encoder: ChatEncoder, sample
             progress("prompts", sampled[0], batch.stop)
 
     while len(kept) < settings.num_prompts and decided < budget:
+        # Batch sizes change nothing in the result (attempts are judged in order), only how soon
+        # a target that writes nothing usable is caught: small batches until one prompt is kept.
         wanted = settings.num_prompts - len(kept)
-        batch = range(decided, min(budget, decided + max(concurrency, math.ceil(wanted * 1.25))))
+        size = max(concurrency, math.ceil(wanted * 1.25)) if kept else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
+        batch = range(decided, min(budget, decided + size))
         await _pool(batch, first, concurrency)
         for i in batch:
             if len(kept) == settings.num_prompts:
