@@ -58,7 +58,7 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     write_parquet,
 )
 from draftflow.data.regenerate import Generate, regenerate_conversations, run_coroutine
-from draftflow.data.self_generated import GenerationResult, Progress, SampleText, generate_conversations
+from draftflow.data.self_generated import GenerationResult, ProgressCallback, SampleText, generate_conversations
 from draftflow.data.sources import Conversation, read_source, source_label
 from draftflow.paths import DataLayout
 from draftflow.recipe.fingerprint import DATA_FORMAT_VERSION
@@ -194,7 +194,7 @@ async def aprepare(
     regenerate_timeout_s: float | None = None,
     sample: SampleText | None = None,
     local_home: str | None = None,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Prepared:
     """Prepare ``layout``'s samples from ``data``, or reuse them if the folder is complete.
 
@@ -233,7 +233,7 @@ async def aprepare(
 
 async def _self_generate(
     data: DataSection, layout: DataLayout, encoder: ChatEncoder, sample: SampleText | None,
-    generate: Generate | None, local_home: str | None, progress: Progress | None,
+    generate: Generate | None, local_home: str | None, progress: ProgressCallback | None,
 ) -> dict[int, GenerationResult]:
     """The conversations of every self-generated source, by source index (resumable)."""
     out: dict[int, GenerationResult] = {}

@@ -56,7 +56,7 @@ _SENTINEL = "DRAFTFLOW-USER-TURN-8c1f"
 _SEED_STRIDE_PER_TURN = 1_000_003  # follow-up turn k of attempt i uses seed + i + k * stride
 MIN_ATTEMPTS_BEFORE_GIVING_UP = 32
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
+ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 @dataclass
@@ -186,7 +186,7 @@ async def generate_conversations(
     reply_max_tokens: int,
     concurrency: int,
     partial_path: str,
-    progress: Progress | None = None,
+    progress: ProgressCallback | None = None,
 ) -> GenerationResult:
     """Generate, clean and resume one self-generated source (see the module docstring)."""
     check_user_role(encoder)
@@ -201,7 +201,7 @@ async def generate_conversations(
 
 async def _generate(settings: SelfGeneratedSection, encoder: ChatEncoder, sample: SampleText, reply: Generate,
                     seed: int, reply_max_tokens: int, concurrency: int, partial: _Partial,
-                    progress: Progress | None, resumed: int) -> GenerationResult:
+                    progress: ProgressCallback | None, resumed: int) -> GenerationResult:
     control = sorted(encoder.control_strings)
 
     def system_of(i: int) -> Conversation:
