@@ -16,6 +16,9 @@ Layout of a store::
         manifest/compacted/STAMP.arrow       fragments merged by `store compact`
         …/.NAME.TOKEN.tmp                    a local write in progress (renamed when done)
         vocab/draft-vocab-SIZE.safetensors   d2t / t2d for one draft vocab size
+        generation/source-N.jsonl            append-only attempts of a self-generated source
+                                             (resume after a kill; local stores only, see
+                                             generation_partial)
 
     RUN_DIR/NAME-FINGERPRINT/RUN_ID/         RunLayout: one training run
         metrics.jsonl, train.log
@@ -143,6 +146,17 @@ class DataLayout:
 
     def draft_vocab(self, size: int) -> str:
         return join(self.root, "vocab", f"draft-vocab-{int(size)}.safetensors")
+
+    def generation_partial(self, source_index: int, local_home: str) -> str:
+        """Local file of one self-generated source's finished attempts, appended as they finish.
+
+        Appending needs a local filesystem: for a local store it sits in the data folder; for a
+        remote one (s3://) under ``local_home``, in a folder named like the data folder.
+        """
+        name = f"source-{int(source_index)}.jsonl"
+        if "://" not in self.root or self.root.startswith("file://"):
+            return join(self.root.removeprefix("file://"), "generation", name)
+        return join(local_home, "generation", safe_component(self.root.rstrip("/").rpartition("/")[2]), name)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,8 @@ def prepare(recipe: str, overrides: list[str] | None = None, store_block: str | 
             vllm_block: str | None = None) -> dict:
     overrides = list(overrides or [])
     resolve_plan(recipe, overrides)
-    server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
-    try:
-        return prepare_data(recipe, overrides, store_block, vllm_block)
-    finally:
-        server.stop()
+    # Starts (and stops) a plain vLLM server itself when the target must write text.
+    return prepare_data(recipe, overrides, store_block, vllm_block)
 
 
 @flow(name="draftflow-extract", log_prints=True)
@@ -45,9 +42,10 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     """
     overrides = list(overrides or [])
     ref = resolve_plan(recipe, overrides)
+    # Preparation first, on a plain server (generation at full speed), then the extraction server.
+    prepare_data(recipe, overrides, store_block, vllm_block)
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
     with stopped_unless_kept(server, keep_server):
-        prepare_data(recipe, overrides, store_block, vllm_block)
         shards, outcomes, reasons = extract_every_shard(recipe, overrides, ref["fingerprint"], store_block,
                                                          vllm_block, ref["shard_table_key"] + "-progress")
         summary = shard_table(shards, outcomes, ref["shard_table_key"], reasons)

@@ -61,10 +61,13 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
     """Tokenised, split, optionally regenerated data in the fingerprinted folder (reused when there)."""
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
+    # Generation (replies, self-generated prompts) runs on a plain server started here if none
+    # answers: it is stopped before the extraction server starts (check-or-start-vllm).
+    launch = infra.launch if infra.launch_from_block else plan.recipe.vllm.launch
     # regeneration (and prompt generation) report done/total, rate, ETA, failures to the log + an artifact
     with reporting(*prefect_sinks(artifact_key(plan, "preparation-progress"), "data preparation")):
         worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key,
-                                   storage_options=infra.storage_options)
+                                   storage_options=infra.storage_options, launch=launch)
     report = read_report(plan.data, infra.storage_options)
     get_run_logger().info("data in %s (%s)", plan.data.prepared_dir, "prepared now" if worked else "reused")
     return {"data_root": plan.data.root, "reused": not worked, "report": report}

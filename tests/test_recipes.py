@@ -104,6 +104,9 @@ MALFORMED = [
     ("override-bad-value", lambda d: d, ["drafter.block_size=1"], "drafter.block_size", "greater than or equal to 2"),
     ("override-unknown-key", lambda d: d, ["drafter.nope=1"], "drafter.nope", "unknown key"),
     ("override-not-key-value", lambda d: d, ["drafter.block_size"], "drafter.block_size", "KEY=VALUE"),
+    ("self-generated-unknown-topic", lambda d: _set(d, "data.sources", [{"kind": "self_generated", "self_generated": {"topics": ["coding", "cooking"]}}]), [], "data.sources.0.self_generated.topics.1", "'coding'"),
+    ("self-generated-zero-temperature", lambda d: _set(d, "data.sources", [{"kind": "self_generated", "self_generated": {"temperature": 0}}]), [], "data.sources.0.self_generated.temperature", "greater than 0"),
+    ("self-generated-settings-on-other-kind", lambda d: _set(d, "data.sources", [{"kind": "chitchat", "self_generated": {}}]), [], "data.sources.0", "kind: self_generated"),
     ("logit-loss-without-last-layer", lambda d: _set(_set(d, "extraction.layer_ids", [2, 15, 27]), "training.loss", "target_logits"), [], "extraction.layer_ids", "last layer 30"),
 ]
 
@@ -224,3 +227,23 @@ def test_cli_ls_cp_validate_show(tmp_path, capsys):
     assert cli(["recipes", "validate", str(fork), str(bad)]) == 1
     err = capsys.readouterr().err
     assert "bad.yaml" in err and "drafter.block_size" in err
+
+
+def test_self_generated_source_needs_a_template_with_a_user_role(tmp_path, smollm2_dir):
+    # Renders system and assistant turns only: a user message vanishes from the text.
+    template = tmp_path / "no-user.jinja"
+    template.write_text(
+        "{%- for m in messages %}{%- if m.role != 'user' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    )
+    data = _set(_demo(), "data.sources", [{"kind": "self_generated"}])
+    data["target"]["chat_template"] = str(template)
+    path = _write(tmp_path, data)
+    with pytest.raises(RecipeError) as info:
+        validate(str(path))
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert "target.chat_template" in message and "no user role" in message, message
+    # The target's own template has a user role: the same recipe without the override validates.
+    del data["target"]["chat_template"]
+    validate(str(_write(tmp_path, data, "ok.yaml")))

@@ -59,9 +59,11 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
 )
 from draftflow.async_run import run_coroutine
 from draftflow.data.regenerate import Generate, regenerate_conversations
+from draftflow.data.self_generated import GenerationResult, ProgressCallback, SampleText, generate_conversations
 from draftflow.data.sources import Conversation, read_source, source_label
 from draftflow.paths import DataLayout
 from draftflow.recipe.fingerprint import DATA_FORMAT_VERSION
+from draftflow.recipe.load import default_home
 from draftflow.recipe.schema import DataSection, Recipe
 
 log = logging.getLogger(__name__)
@@ -121,8 +123,13 @@ def _keyed(source_iter: Iterator[Conversation], label: str, seed: int, seen: set
         yield _order_key(seed, sid), Candidate(sid, label, TRAIN, messages)
 
 
-def select_conversations(data: DataSection) -> tuple[list[Candidate], dict[str, dict]]:
-    """Read, dedupe, cap per source and in total, split; returns candidates and per-source stats."""
+def select_conversations(
+    data: DataSection, generated: dict[int, GenerationResult] | None = None
+) -> tuple[list[Candidate], dict[str, dict]]:
+    """Read, dedupe, cap per source and in total, split; returns candidates and per-source stats.
+
+    ``generated`` holds the conversations of the self-generated sources, by source index.
+    """
     seen: set[str] = set()
     pool: list[tuple[str, Candidate]] = []
     stats: dict[str, dict] = {}
@@ -130,7 +137,15 @@ def select_conversations(data: DataSection) -> tuple[list[Candidate], dict[str, 
         label = source_label(index, source)
         dropped: Counter = Counter()
         usable: Counter = Counter()
-        items = _keyed(read_source(source, dropped), label, data.seed, seen, dropped, usable)
+        if source.kind == "self_generated":
+            if not generated or index not in generated:
+                raise ValueError(f"data.sources[{index}]: a self_generated source is written by the target "
+                                 "during preparation; no sampler was given")
+            dropped.update(generated[index].dropped)
+            conversations: Iterator[Conversation] = iter(generated[index].conversations)
+        else:
+            conversations = read_source(source, dropped)
+        items = _keyed(conversations, label, data.seed, seen, dropped, usable)
         if source.max_samples:
             # nsmallest streams the source, holding at most max_samples conversations in memory.
             chosen = heapq.nsmallest(source.max_samples, items, key=lambda kv: kv[0])
@@ -143,6 +158,8 @@ def select_conversations(data: DataSection) -> tuple[list[Candidate], dict[str, 
             "dropped": dict(sorted(dropped.items())),
             "selected": len(chosen),
         }
+        if generated and index in generated:
+            stats[label]["generation"] = generated[index].report()
         log.info("source %s: %d usable, %d selected, dropped %s", label, usable["usable"], len(chosen), dict(dropped))
     pool.sort(key=lambda kv: _order_key(data.seed, kv[1].sample_id, "mix:"))
     if data.num_samples is not None:
@@ -177,11 +194,16 @@ async def aprepare(
     generate: Generate | None = None,
     storage_options: dict | None = None,
     regenerate_timeout_s: float | None = None,
+    sample: SampleText | None = None,
+    local_home: str | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Prepared:
     """Prepare ``layout``'s samples from ``data``, or reuse them if the folder is complete.
 
-    The async form, for callers that own an event loop (``generate`` then runs on that loop,
-    where its HTTP client lives); the blocking parts run in a worker thread.
+    The async form, for callers that own an event loop (``generate`` and ``sample`` then run
+    on that loop, where their HTTP client lives); the blocking parts run in a worker thread.
+    Self-generated sources need ``sample`` (user turns) and ``generate`` (replies); their
+    partial files go under ``local_home`` when the store is remote.
     """
     if await asyncio.to_thread(is_prepared, layout, storage_options):
         log.info("prepared data already in %s: reusing it", layout.prepared_dir)
@@ -189,20 +211,49 @@ async def aprepare(
     if data.regenerate_responses and generate is None:
         raise ValueError("data.regenerate_responses is set but no generate function was given")
 
-    candidates, source_stats = await asyncio.to_thread(select_conversations, data)
+    generated = await _self_generate(data, layout, encoder, sample, generate, local_home, progress)
+    candidates, source_stats = await asyncio.to_thread(select_conversations, data, generated)
     outcomes: list[tuple[Conversation | None, str | None]] = [(c.messages, None) for c in candidates]
     regenerate_errors: list[str] = []
-    if data.regenerate_responses:
-        log.info("regenerating %d conversations (concurrency %d)", len(candidates), data.regenerate_concurrency)
-        outcomes, regenerate_errors = await regenerate_conversations(
-            [c.messages for c in candidates], generate, data.regenerate_max_tokens,
+    # Self-generated replies are the target's already: regenerating them would only repeat them.
+    own = {source_label(i, s) for i, s in enumerate(data.sources) if s.kind == "self_generated"}
+    redo = [k for k, c in enumerate(candidates) if c.source not in own]
+    if data.regenerate_responses and redo:
+        log.info("regenerating %d conversations (concurrency %d)", len(redo), data.regenerate_concurrency)
+        redone, regenerate_errors = await regenerate_conversations(
+            [candidates[k].messages for k in redo], generate, data.regenerate_max_tokens,
             data.regenerate_concurrency, regenerate_timeout_s,
         )
+        for k, outcome in zip(redo, redone):
+            outcomes[k] = outcome
     report, wrote = await asyncio.to_thread(
         _encode_and_write, data, layout, encoder, candidates, outcomes, source_stats, regenerate_errors,
         storage_options,
     )
     return Prepared(layout, report, reused=not wrote)
+
+
+async def _self_generate(
+    data: DataSection, layout: DataLayout, encoder: ChatEncoder, sample: SampleText | None,
+    generate: Generate | None, local_home: str | None, progress: ProgressCallback | None,
+) -> dict[int, GenerationResult]:
+    """The conversations of every self-generated source, by source index (resumable)."""
+    out: dict[int, GenerationResult] = {}
+    for index, source in enumerate(data.sources):
+        if source.kind != "self_generated":
+            continue
+        if sample is None or generate is None:
+            raise ValueError(f"data.sources[{index}] is self_generated but no vLLM sampler was given")
+        settings = source.generation
+        log.info("self-generating %d conversations for data.sources[%d] (concurrency %d)",
+                 settings.num_prompts, index, data.regenerate_concurrency)
+        out[index] = await generate_conversations(
+            settings, encoder, sample, generate, seed=data.seed, reply_max_tokens=data.regenerate_max_tokens,
+            concurrency=data.regenerate_concurrency, progress=progress,
+            partial_path=layout.generation_partial(index, local_home or str(default_home())),
+        )
+        log.info("data.sources[%d] self-generated: %s", index, out[index].report())
+    return out
 
 
 def prepare(
@@ -213,11 +264,13 @@ def prepare(
     generate: Generate | None = None,
     storage_options: dict | None = None,
     regenerate_timeout_s: float | None = None,
+    sample: SampleText | None = None,
+    local_home: str | None = None,
 ) -> Prepared:
     """Blocking :func:`aprepare` (from inside a running loop it runs on a thread of its own)."""
     return run_coroutine(aprepare(
         data, layout, encoder, generate=generate, storage_options=storage_options,
-        regenerate_timeout_s=regenerate_timeout_s,
+        regenerate_timeout_s=regenerate_timeout_s, sample=sample, local_home=local_home,
     ))
 
 
@@ -279,6 +332,7 @@ def _encode_and_write(
         "seed": data.seed,
         "max_length": data.max_length,
         "regenerated": data.regenerate_responses,
+        "self_generated": {k: v["generation"] for k, v in source_stats.items() if "generation" in v},
         "selected": len(candidates),
         "kept": {TRAIN: split_counts[TRAIN], EVAL: split_counts[EVAL]},
         "eval_requested": data.eval_samples,

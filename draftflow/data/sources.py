@@ -364,6 +364,8 @@ def read_source(source: DataSource, dropped: Counter) -> Iterator[Conversation]:
         return read_chitchat(dropped)
     if source.kind == "chatterbot":
         return read_chatterbot(dropped)
+    if source.kind == "self_generated":
+        raise ValueError("a self_generated source has no file to read: the target writes it during preparation")
     raise ValueError(f"unknown data source kind {source.kind!r}")
 
 

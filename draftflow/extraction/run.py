@@ -5,25 +5,44 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
 
+from draftflow.async_run import run_coroutine
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import is_prepared
 from draftflow.data.prepare import aprepare
-from draftflow.async_run import run_coroutine
-from draftflow.extraction.progress import ExtractionProgress, ExtractionSummary, ProgressTracker
+from draftflow.data.self_generated import Sampled
+from draftflow.extraction.progress import (
+    ExtractionProgress,
+    ExtractionSummary,
+    ProgressTracker,
+)
 from draftflow.extraction.samples import train_set
-from draftflow.extraction.shards import ShardResult, extract_shard, make_client, staging_folders
+from draftflow.extraction.shards import (
+    ShardResult,
+    extract_shard,
+    make_client,
+    staging_folders,
+)
 from draftflow.plan import Plan
-from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.recipe.fingerprint import fingerprint_inputs
+from draftflow.recipe.schema import DataSection, VLLMLaunchSection
 from draftflow.store import PlannedShard, Store, reconcile
 from draftflow.store.fp8 import server_dtype
-from draftflow.vllm.client import RETRYABLE_STATUS_MIN, EndpointUnavailable, RequestFailed, VLLMClient
+from draftflow.vllm.client import (
+    RETRYABLE_STATUS_MIN,
+    EndpointUnavailable,
+    RequestFailed,
+    VLLMClient,
+)
 from draftflow.vllm.hidden_states_file import sweep_stale
+from draftflow.vllm.plain_server import ensure_plain_running
 from draftflow.vllm.server import ensure_running, is_healthy
+
+log = logging.getLogger(__name__)
 
 _RECIPE = object()  # run_extraction(launch=...) default: take the recipe's vllm.launch
 _STALE_STAGING_S = 600.0
@@ -52,10 +71,15 @@ def run_extraction(
     store = Store(plan.data, dict(storage_options or {}))
     urls = list(endpoints or recipe.vllm.endpoints)
     tracker = ProgressTracker(progress)
+    launch = recipe.vllm.launch if launch is _RECIPE else launch
+    if needs_generation(recipe.data) and not is_prepared(store.layout, store.storage_options):
+        tracker.stage("prepare", f"generating data in {store.layout.prepared_dir} (plain vLLM server)")
+        prepare_data(plan, urls, api_key=api_key, storage_options=store.storage_options, launch=launch,
+                     log_dir=log_dir)
     tracker.stage("server", f"checking vLLM at {', '.join(urls)}")
     handle = ensure_running(
         urls, model=plan.target_model, layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size,
-        api_key=api_key, launch=recipe.vllm.launch if launch is _RECIPE else launch,
+        api_key=api_key, launch=launch,
         # The server computes in the stored dtype, so what is stored is what it computed
         # (FP8: in bf16, quantised when the shard is written).
         dtype=server_dtype(recipe.extraction.dtype), log_dir=log_dir, staging_dirs=staging_folders(plan),
@@ -144,19 +168,32 @@ class _Restarts:
             return True
 
 
+def needs_generation(data: DataSection) -> bool:
+    """Whether preparing ``data`` asks the target to write text (replies or self-generated prompts)."""
+    return data.regenerate_responses or any(s.kind == "self_generated" for s in data.sources)
+
+
 def prepare_data(
     plan: Plan, endpoints: Sequence[str] | None = None, *, api_key: str | None = None,
-    storage_options: dict | None = None,
+    storage_options: dict | None = None, launch: VLLMLaunchSection | None = None, log_dir: str | None = None,
 ) -> bool:
     """Prepare the recipe's data folder unless it is complete; True when work was done.
 
-    With ``data.regenerate_responses`` the servers at ``endpoints`` (default: the recipe's) must
-    be up. For a flow that runs preparation as a task of its own before the shard tasks.
+    When the target must write text, the servers at ``endpoints`` (default: the recipe's) are
+    used if they answer; dead ones get a *plain* server from ``launch`` (generation runs at
+    plain-server speed), stopped again before this returns. For a flow that runs preparation
+    as a task of its own before the extraction server starts.
     """
     store = Store(plan.data, dict(storage_options or {}))
     if is_prepared(store.layout, store.storage_options):
         return False
-    run_coroutine(_prepare(plan, store, list(endpoints or plan.recipe.vllm.endpoints), api_key))
+    urls = list(endpoints or plan.recipe.vllm.endpoints)
+    if needs_generation(plan.recipe.data):
+        with ensure_plain_running(urls, model=plan.target_model, api_key=api_key, launch=launch,
+                                  dtype=plan.recipe.extraction.dtype, log_dir=log_dir) as handle:
+            run_coroutine(_prepare(plan, store, handle.endpoints, api_key))
+    else:
+        run_coroutine(_prepare(plan, store, urls, api_key))
     _write_fingerprint(plan, store)
     return True
 
@@ -169,7 +206,7 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
     """
     data = plan.recipe.data
     encoder = await asyncio.to_thread(load_chat_encoder, plan.recipe.target)
-    if not data.regenerate_responses:
+    if not needs_generation(data):
         await aprepare(data, store.layout, encoder, storage_options=store.storage_options)
         return
     per_endpoint = math.ceil(data.regenerate_concurrency / len(endpoints))
@@ -182,10 +219,21 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
         async def generate(messages: list[dict], max_tokens: int) -> str:
             return await client.chat(messages, max_tokens, endpoint=next(turn))
 
+        async def sample(ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Sampled:
+            out = await client.sample(ids, max_tokens, temperature, top_p, seed, endpoint=next(turn))
+            return Sampled(out.text, out.finish_reason)
+
         await aprepare(
             data, store.layout, encoder, generate=generate, storage_options=store.storage_options,
-            regenerate_timeout_s=plan.recipe.extraction.request_timeout_s,
+            regenerate_timeout_s=plan.recipe.extraction.request_timeout_s, sample=sample,
+            progress=_log_progress,
         )
+
+
+def _log_progress(stage: str, done: int, total: int) -> None:
+    # A minimal progress line until the core has a shared progress helper.
+    if done == total or done % 16 == 0:
+        log.info("self-generation %s: %d/%d", stage, done, total)
 
 
 def _write_fingerprint(plan: Plan, store: Store) -> None:

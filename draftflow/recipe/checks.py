@@ -76,7 +76,27 @@ def validate(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Validate
     target = read_target_info(expand(recipe.target.model), recipe.target.revision)
     if target is None:
         return Validated(recipe, None, skipped=list(TARGET_CHECKS))
-    errors = target_errors(recipe, target)
+    errors = target_errors(recipe, target) + template_errors(recipe)
     if errors:
         raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
     return Validated(recipe, target)
+
+
+def template_errors(recipe: Recipe) -> list[str]:
+    """A self-generated source needs a chat template that renders user turns."""
+    generated = [i for i, s in enumerate(recipe.data.sources) if s.kind == "self_generated"]
+    if not generated:
+        return []
+    from draftflow.data.chat import load_chat_encoder  # the data package imports the recipe package
+    from draftflow.data.self_generated import NoUserRole, check_user_role
+
+    try:
+        encoder = load_chat_encoder(recipe.target)
+    except ValueError as err:  # no template at all
+        return [f"target.chat_template: {err} (data.sources[{generated[0]}] is self_generated)"]
+    try:
+        check_user_role(encoder)
+    except NoUserRole as err:
+        field = "target.chat_template" if recipe.target.chat_template else "target.model (its chat template)"
+        return [f"{field}: {err}; data.sources[{generated[0]}] (self_generated) needs one"]
+    return []

@@ -38,22 +38,67 @@ class TargetSection(Section):
     )
 
 
+# Topic seeds a self-generated source may steer towards (the instruction for each lives in
+# draftflow.data.self_generated); a fixed set, so a typo is a validation error.
+Topic = Literal["chat", "coding", "math", "writing", "advice", "trivia", "summarisation", "science", "howto"]
+
+
+class SelfGeneratedSection(Section):
+    """How the target writes its own user turns (``kind: self_generated``)."""
+
+    num_prompts: int = Field(64, ge=1, description="Conversations to keep after cleaning.")
+    topics: list[Topic] = Field(
+        default_factory=list,
+        description="Topic seeds, used round-robin (a short instruction in the system prompt) to "
+        "steer diversity; empty: no steering.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message rendered before the user turn while it is sampled (with a topic "
+        "seed's instruction appended); not kept in the data. None: the template's own default.",
+    )
+    turns: int = Field(1, ge=1, le=8, description="User turns per conversation; later ones are follow-ups.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of user turns.")
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_tokens: int = Field(96, ge=4, description="Tokens per user turn; a turn that hits it is dropped.")
+    max_attempts_ratio: float = Field(
+        3.0, ge=1, description="Give up after num_prompts * this many attempts (an error if none was kept)."
+    )
+    near_duplicate_threshold: float = Field(
+        0.7, gt=0, le=1,
+        description="Estimated Jaccard similarity of word 3-grams from which a prompt is a near duplicate.",
+    )
+
+
 class DataSource(Section):
     """One source of conversations."""
 
-    kind: Literal["sharegpt", "messages", "hf_disk", "chitchat", "chatterbot"] = Field(
+    kind: Literal["sharegpt", "messages", "hf_disk", "chitchat", "chatterbot", "self_generated"] = Field(
         description="sharegpt: JSON/JSONL with `conversations` (from/value); messages: "
         "JSON/JSONL with OpenAI `messages` (role/content); hf_disk: a `datasets` folder saved "
-        "with save_to_disk; chitchat / chatterbot: the corpora shipped by those pip packages."
+        "with save_to_disk; chitchat / chatterbot: the corpora shipped by those pip packages; "
+        "self_generated: the target writes the user turns through vLLM (see `self_generated`)."
     )
     path: str | None = Field(None, description="File or folder; required for sharegpt, messages, hf_disk.")
     max_samples: int | None = Field(None, ge=1, description="Take at most this many conversations.")
+    self_generated: SelfGeneratedSection | None = Field(
+        None, description="Settings of a `self_generated` source (default settings when omitted)."
+    )
 
     @model_validator(mode="after")
     def _path_required(self) -> DataSource:
         if self.kind in ("sharegpt", "messages", "hf_disk") and not self.path:
             raise ValueError(f"a `{self.kind}` source needs `path`")
+        if self.self_generated is not None and self.kind != "self_generated":
+            raise ValueError(f"`self_generated` settings need `kind: self_generated`, not `{self.kind}`")
+        if self.kind == "self_generated" and self.path:
+            raise ValueError("a `self_generated` source has no `path`")
         return self
+
+    @property
+    def generation(self) -> SelfGeneratedSection:
+        """The settings of a self-generated source (the schema's defaults when the recipe omits them)."""
+        return self.self_generated or SelfGeneratedSection()
 
 
 class DataSection(Section):

@@ -315,11 +315,7 @@ class VLLMClient:
                 headers={"X-Request-Id": request_id or uuid.uuid4().hex},
             )
         body = _json(response, ep)
-        # An extraction server writes a file for chat requests too; nobody else would delete it.
-        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if path:
-            staging_path(path, self.staging_dirs)
-            await asyncio.to_thread(discard_hidden_states, path, self.lock_timeout_s)
+        await self._discard_side_file(body)
         choice, usage = body["choices"][0], body.get("usage") or {}
         return ChatReply(
             text=choice["message"].get("content") or "",
@@ -327,6 +323,44 @@ class VLLMClient:
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),
         )
+
+
+    async def sample(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        *,
+        endpoint: str | None = None,
+    ) -> ChatReply:
+        """A seeded, sampled continuation of token ids (completions endpoint), stopping at the
+        model's end-of-turn; self-generated user turns are written this way."""
+        ep = self._endpoint(endpoint)
+        model = await self.model_name(ep)
+        payload = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": max_tokens,
+                   "temperature": temperature, "top_p": top_p, "seed": int(seed)}
+        async with self._limits[ep]:
+            response = await self._request(
+                "POST", ep, "/v1/completions", json=payload, headers={"X-Request-Id": uuid.uuid4().hex},
+            )
+        body = _json(response, ep)
+        await self._discard_side_file(body)
+        choice, usage = body["choices"][0], body.get("usage") or {}
+        return ChatReply(
+            text=choice.get("text") or "",
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+        )
+
+    async def _discard_side_file(self, body: dict) -> None:
+        # An extraction server writes a file for every request; nobody else would delete it.
+        path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if path:
+            staging_path(path, self.staging_dirs)
+            await asyncio.to_thread(discard_hidden_states, path, self.lock_timeout_s)
 
 
 def _json(response: httpx.Response, endpoint: str) -> dict:

@@ -1,0 +1,68 @@
+"""A plain vLLM server (no extraction flags) for generation: self-generated prompts and replies.
+
+An extraction server drafts and rejects a token on every decode step (the
+``extract_hidden_states`` speculative method) and writes a hidden-state file for every
+request; generating text through it is much slower than through the same model served
+plainly. Preparation therefore runs against a plain server started here, which is stopped
+before the extraction server starts on the same port. An endpoint that already answers is
+used as it is (only the served model is checked): a server the pipeline did not start is
+never stopped or replaced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from draftflow.recipe.load import expand
+from draftflow.recipe.schema import VLLMLaunchSection
+from draftflow.vllm.client import auth_headers
+from draftflow.vllm.server import (
+    EndpointDown,
+    ServerHandle,
+    _get_json,
+    check_model,
+    is_healthy,
+    start_server,
+)
+
+log = logging.getLogger(__name__)
+
+
+def ensure_plain_running(
+    endpoints: str | Sequence[str],
+    *,
+    model: str,
+    api_key: str | None = None,
+    launch: VLLMLaunchSection | None = None,
+    dtype: str = "auto",
+    log_dir: str | Path | None = None,
+    health_timeout_s: float = 3.0,
+) -> ServerHandle:
+    """Endpoints that answer are checked for the model; dead ones get a plain server (``launch``)."""
+    urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+    urls = [u.rstrip("/") for u in urls]
+    model = expand(model)
+    handle = ServerHandle(endpoints=urls, api_key=api_key)
+    atexit.register(handle.stop)
+    try:
+        for url in urls:
+            if not is_healthy(url, health_timeout_s):
+                if launch is None:
+                    raise EndpointDown(
+                        f"no healthy vLLM server at {url} (GET /health failed) and the recipe has no "
+                        "`vllm.launch` section to start one: start the server or add launch settings"
+                    )
+                # No layer ids: the launch spec gets neither the speculative nor the kv-transfer flags.
+                handle.started.append(start_server(url, model, [], api_key, launch, dtype, log_dir))
+                log.info("plain vLLM server (generation only) up at %s", url)
+            with httpx.Client(base_url=url, headers=auth_headers(api_key), timeout=60.0) as http:
+                check_model(url, model, _get_json(http, url, "/v1/models").get("data", []))
+    except BaseException:
+        handle.stop()
+        raise
+    return handle

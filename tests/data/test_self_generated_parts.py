@@ -1,0 +1,94 @@
+"""Self-generated data without a server: template prefixes, steering, fingerprint, partial file."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftflow.data.chat import ChatEncoder
+from draftflow.data.self_generated import (
+    TOPIC_SEEDS,
+    NoUserRole,
+    _Partial,
+    check_user_role,
+    steering,
+    user_turn_prefix,
+)
+from draftflow.paths import DataLayout
+from draftflow.recipe import fingerprint
+from draftflow.recipe.load import recipe_from_dict
+from draftflow.recipe.schema import SelfGeneratedSection, Topic
+
+QUALITY = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-dflash-cpu-quality.yaml"
+
+
+def test_user_turn_prefix_stops_where_the_user_message_starts(smollm2_tokenizer):
+    encoder = ChatEncoder(smollm2_tokenizer)
+    plain = user_turn_prefix(encoder, [])
+    assert plain.endswith("<|im_start|>user\n") and "SmolLM" in plain  # the template's default system prompt
+    steered = user_turn_prefix(encoder, [{"role": "system", "content": "Ask about maths."}])
+    assert steered == "<|im_start|>system\nAsk about maths.<|im_end|>\n<|im_start|>user\n"
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    follow = user_turn_prefix(encoder, history)
+    assert follow == encoder.render(history) + "<|im_start|>user\n"
+
+
+def test_template_without_user_role_is_refused(smollm2_tokenizer):
+    no_user = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(NoUserRole, match="no user role"):
+        check_user_role(ChatEncoder(smollm2_tokenizer, no_user))
+    raising = "{% for m in messages %}{% if m.role == 'user' %}{{ raise_exception('no users') }}{% endif %}{% endfor %}"
+    with pytest.raises(NoUserRole, match="no users"):
+        check_user_role(ChatEncoder(smollm2_tokenizer, raising))
+
+
+def test_every_topic_has_a_seed_instruction_and_topics_rotate():
+    assert set(TOPIC_SEEDS) == set(Topic.__args__)
+    settings = SelfGeneratedSection(topics=["coding", "math"], system_prompt="Be curious.")
+    assert steering(settings, 0) == "Be curious. " + TOPIC_SEEDS["coding"]
+    assert steering(settings, 3) == "Be curious. " + TOPIC_SEEDS["math"]
+    assert steering(SelfGeneratedSection(), 5) is None
+
+
+def test_fingerprint_follows_generation_settings_and_seed_not_concurrency():
+    data = yaml.safe_load(QUALITY.read_text())
+    base = fingerprint(recipe_from_dict(data), [2, 15, 27, 30])
+
+    def changed(edit) -> str:
+        d = copy.deepcopy(data)
+        edit(d)
+        return fingerprint(recipe_from_dict(d), [2, 15, 27, 30])
+
+    generation = lambda d: d["data"]["sources"][0]["self_generated"]  # noqa: E731
+    assert changed(lambda d: d["data"].update(regenerate_concurrency=64)) == base
+    assert changed(lambda d: d["data"].update(seed=1)) != base
+    assert changed(lambda d: generation(d).update(temperature=0.7)) != base
+    assert changed(lambda d: generation(d).update(topics=["coding"])) != base
+    assert changed(lambda d: generation(d).update(num_prompts=10)) != base
+
+
+def test_partial_file_keeps_finished_steps_and_cuts_a_torn_line(tmp_path):
+    path = tmp_path / "generation" / "source-0.jsonl"
+    partial = _Partial(str(path))
+    partial.append({"first": 0, "text": "Hi?", "finish_reason": "stop"})
+    partial.append({"conversation": 0, "messages": [{"role": "user", "content": "Hi?"}], "drop": None, "cut": None})
+    partial.close()
+    with open(path, "a") as f:
+        f.write('{"first": 1, "text": "tor')  # a kill in the middle of a write
+    again = _Partial(str(path))
+    assert list(again.firsts) == [0] and list(again.conversations) == [0]
+    again.append({"first": 1, "text": "Again", "finish_reason": "stop"})
+    again.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(line).get("first") for line in lines] == [0, None, 1]
+
+
+def test_partial_file_of_a_remote_store_lives_under_the_local_home(tmp_path):
+    local = DataLayout(str(tmp_path / "store" / "name-fp"))
+    assert local.generation_partial(2, "/home") == str(tmp_path / "store" / "name-fp" / "generation" / "source-2.jsonl")
+    remote = DataLayout("s3://bucket/store/name-fp")
+    assert remote.generation_partial(0, "/home/x") == "/home/x/generation/name-fp/source-0.jsonl"
