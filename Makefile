@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTEST_ARGS ?=
 DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu.yaml
 
-.PHONY: bootstrap demo test test-fast bench
+.PHONY: bootstrap demo lint test test-fast bench
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -13,7 +13,12 @@ bootstrap:
 demo: bootstrap
 	PREFECT_SERVER_ANALYTICS_ENABLED=false .venv/bin/draftflow demo $(DEMO_RECIPE)
 
-test: bootstrap
+# ruff (rules and line length in pyproject.toml): formatting and lint errors fail the tests.
+lint: bootstrap
+	.venv/bin/ruff format --check .
+	.venv/bin/ruff check .
+
+test: bootstrap lint
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 test-fast: bootstrap

@@ -59,10 +59,19 @@ def write_recipe(args: argparse.Namespace, work: Path, endpoint: str, staging: s
     recipe = {
         "name": "bench-extraction",
         "target": {"model": args.model},
-        "data": {"sources": [{"kind": args.source, "max_samples": args.samples}], "num_samples": args.samples,
-                 "eval_samples": 0, "max_length": args.max_length},
-        "extraction": {"layer_ids": LAYER_IDS, "dtype": "float32", "store": str(work / "store"),
-                       "samples_per_shard": args.samples_per_shard, "concurrency": args.concurrency},
+        "data": {
+            "sources": [{"kind": args.source, "max_samples": args.samples}],
+            "num_samples": args.samples,
+            "eval_samples": 0,
+            "max_length": args.max_length,
+        },
+        "extraction": {
+            "layer_ids": LAYER_IDS,
+            "dtype": "float32",
+            "store": str(work / "store"),
+            "samples_per_shard": args.samples_per_shard,
+            "concurrency": args.concurrency,
+        },
         "vllm": {"endpoints": [endpoint], **({"staging_dirs": [staging]} if staging else {})},
         "drafter": {"kind": "dflash"},
     }
@@ -109,10 +118,16 @@ def main() -> int:
     endpoint = args.endpoint
     if endpoint is None:
         spec = LaunchSpec(
-            python=str(default_home() / "vllm-venv" / "bin" / "python"), model=args.model, port=free_port(),
-            device="cpu", dtype="float32", max_model_len=max(1024, args.max_length + 1),
-            extract_layer_ids=LAYER_IDS, staging_dir=tempfile.mkdtemp(prefix="draftflow-bench-", dir="/dev/shm"),
-            extra_args=["--no-enable-prefix-caching"], log_path=str(work / "vllm.log"),
+            python=str(default_home() / "vllm-venv" / "bin" / "python"),
+            model=args.model,
+            port=free_port(),
+            device="cpu",
+            dtype="float32",
+            max_model_len=max(1024, args.max_length + 1),
+            extract_layer_ids=LAYER_IDS,
+            staging_dir=tempfile.mkdtemp(prefix="draftflow-bench-", dir="/dev/shm"),
+            extra_args=["--no-enable-prefix-caching"],
+            log_path=str(work / "vllm.log"),
         )
         print(f"starting vLLM ({spec.url}, log {spec.log_path}) ...", file=sys.stderr)
         server = ServerProcess(spec).start()
@@ -126,8 +141,11 @@ def main() -> int:
         train = TrainSet.load(Store(plan.data))
         prompts = [train.tokens(e.sample_id)[0].tolist() for e in train.expected()]
         tokens = sum(len(p) for p in prompts)
-        print(f"{len(prompts)} samples, {tokens} tokens (mean {tokens / len(prompts):.0f}), "
-              f"concurrency {args.concurrency}, {args.samples_per_shard} samples per shard", file=sys.stderr)
+        print(
+            f"{len(prompts)} samples, {tokens} tokens (mean {tokens / len(prompts):.0f}), "
+            f"concurrency {args.concurrency}, {args.samples_per_shard} samples per shard",
+            file=sys.stderr,
+        )
         asyncio.run(bare_pass(endpoint, prompts[:8], args.concurrency))  # warm-up, not measured
 
         bare, pipe = [], []

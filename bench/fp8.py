@@ -65,20 +65,43 @@ def recipe(args: argparse.Namespace, work: Path, endpoint: str, dtype: str) -> s
         "name": f"bench-fp8-{dtype}",
         "target": {"model": args.model},
         "data": {
-            "sources": [{"kind": "chatterbot", "max_samples": chatterbot},
-                        {"kind": "chitchat", "max_samples": args.samples - chatterbot + 8}],
-            "num_samples": args.samples, "eval_samples": args.eval_prompts, "max_length": 320,
-            "regenerate_responses": not args.no_regenerate, "regenerate_max_tokens": 96,
+            "sources": [
+                {"kind": "chatterbot", "max_samples": chatterbot},
+                {"kind": "chitchat", "max_samples": args.samples - chatterbot + 8},
+            ],
+            "num_samples": args.samples,
+            "eval_samples": args.eval_prompts,
+            "max_length": 320,
+            "regenerate_responses": not args.no_regenerate,
+            "regenerate_max_tokens": 96,
         },
-        "extraction": {"layer_ids": LAYER_IDS, "dtype": dtype, "store": str(work / "store"),
-                       "samples_per_shard": 16},
+        "extraction": {
+            "layer_ids": LAYER_IDS,
+            "dtype": dtype,
+            "store": str(work / "store"),
+            "samples_per_shard": 16,
+        },
         "vllm": {"endpoints": [endpoint], "launch": {"device": "cpu", "max_model_len": 1024}},
-        "drafter": {"kind": "dflash", "block_size": 4, "max_anchors": 128, "num_layers": 1,
-                    "draft_vocab_size": 8192},
-        "training": {"epochs": args.epochs, "lr": 3.0e-3, "pack_length": 1024, "device": "cpu",
-                     "log_every": 25, "run_dir": str(work / "runs")},
-        "evaluation": {"num_prompts": args.eval_prompts, "max_new_tokens": args.max_new_tokens,
-                       "agreement_tolerance": 0.5},
+        "drafter": {
+            "kind": "dflash",
+            "block_size": 4,
+            "max_anchors": 128,
+            "num_layers": 1,
+            "draft_vocab_size": 8192,
+        },
+        "training": {
+            "epochs": args.epochs,
+            "lr": 3.0e-3,
+            "pack_length": 1024,
+            "device": "cpu",
+            "log_every": 25,
+            "run_dir": str(work / "runs"),
+        },
+        "evaluation": {
+            "num_prompts": args.eval_prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "agreement_tolerance": 0.5,
+        },
     }
     path = work / f"recipe-{dtype}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -88,8 +111,13 @@ def recipe(args: argparse.Namespace, work: Path, endpoint: str, dtype: str) -> s
 def extract_all(args: argparse.Namespace, work: Path, dtypes: list[str]) -> dict[str, Plan]:
     """One fp32 server; data prepared once (reference recipe), copied to the other data folders."""
     spec = LaunchSpec(
-        python=str(default_home() / "vllm-venv" / "bin" / "python"), model=args.model, port=free_port(),
-        device="cpu", dtype="float32", max_model_len=1024, extract_layer_ids=LAYER_IDS,
+        python=str(default_home() / "vllm-venv" / "bin" / "python"),
+        model=args.model,
+        port=free_port(),
+        device="cpu",
+        dtype="float32",
+        max_model_len=1024,
+        extract_layer_ids=LAYER_IDS,
         staging_dir=tempfile.mkdtemp(prefix="draftflow-bench-fp8-", dir="/dev/shm"),
         log_path=str(work / "vllm-extract.log"),
     )
@@ -107,8 +135,11 @@ def extract_all(args: argparse.Namespace, work: Path, dtypes: list[str]) -> dict
             summary = run_extraction(plan, launch=None, verify=False)
             if not summary.ok:
                 raise RuntimeError(f"extraction as {dtype} failed:\n{summary}")
-            print(f"extracted {summary.samples_ok} samples ({summary.tokens} tokens) as {dtype} "
-                  f"in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+            print(
+                f"extracted {summary.samples_ok} samples ({summary.tokens} tokens) as {dtype} "
+                f"in {time.perf_counter() - started:.0f}s",
+                file=sys.stderr,
+            )
             plans[dtype] = plan
     finally:
         server.stop()
@@ -120,8 +151,12 @@ def bytes_per_token(plan: Plan) -> tuple[float, float, int]:
     """(hidden states + scales, whole sample range) bytes per token, and the token count."""
     rows = [r for r in read_manifest(Store(plan.data)).to_pylist() if r["status"] == "ok"]
     tokens = sum(r["num_tokens"] for r in rows)
-    hidden = sum(r["hidden_states_offset"] + r["hidden_states_length"]
-                 - (r["token_ids_offset"] + r["token_ids_length"]) for r in rows)  # values + scales
+    hidden = sum(
+        r["hidden_states_offset"]
+        + r["hidden_states_length"]
+        - (r["token_ids_offset"] + r["token_ids_length"])
+        for r in rows
+    )  # values + scales
     whole = sum(r["loss_mask_offset"] + r["loss_mask_length"] - r["token_ids_offset"] for r in rows)
     return hidden / tokens, whole / tokens, tokens
 
@@ -146,12 +181,16 @@ def reconstruction(reference: Plan, other: Plan) -> tuple[list[float], list[floa
 def train(recipe_path: str, run_id: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "draftflow.train", recipe_path, "--run-id", run_id],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftflow.train", recipe_path, "--run-id", run_id],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"training {run_id} failed:\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))
-    result = json.loads(line[len(RESULT_PREFIX):])
+    result = json.loads(line[len(RESULT_PREFIX) :])
     seconds = time.perf_counter() - started
     print(f"trained {run_id}: {result['steps']} steps in {seconds:.0f}s", file=sys.stderr)
     return result
@@ -170,8 +209,10 @@ def main() -> int:
         print("|---|---|---|---|---|")
         for dtype in ("float32", "bfloat16", args.fp8):
             hidden, whole, _ = bytes_per_token(plans[dtype])
-            print(f"| {dtype} | {hidden:.1f} | {hidden / bf16_hidden:.4f} | {whole:.1f} "
-                  f"| {whole / bf16_whole:.4f} |")
+            print(
+                f"| {dtype} | {hidden:.1f} | {hidden / bf16_hidden:.4f} | {whole:.1f} "
+                f"| {whole / bf16_whole:.4f} |"
+            )
 
         print("\nreconstruction error against the fp32 store, per extracted layer " + str(LAYER_IDS))
         print("| store | relative L2 error per layer | max abs error / row amax per layer |")
@@ -188,15 +229,22 @@ def main() -> int:
         for dtype in ("bfloat16", args.fp8):
             result = train(str(plans[dtype].recipe_path), dtype)
             started = time.perf_counter()
-            evaluation = evaluate_checkpoint(result["export_dir"], plans[dtype], in_vllm=True,
-                                             out_dir=str(work / f"eval-{dtype}"))
+            evaluation = evaluate_checkpoint(
+                result["export_dir"], plans[dtype], in_vllm=True, out_dir=str(work / f"eval-{dtype}")
+            )
             served, offline = evaluation.vllm, evaluation.offline
-            taus[dtype] = (served.mean_acceptance_length, offline.mean_acceptance_length,
-                           served.outputs_identical, served.num_prompts)
+            taus[dtype] = (
+                served.mean_acceptance_length,
+                offline.mean_acceptance_length,
+                served.outputs_identical,
+                served.num_prompts,
+            )
             print(f"evaluated {dtype} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-        print(f"\nτ in vLLM, same recipe ({train_samples} train samples, "
-              f"{args.epochs} epochs, {args.eval_prompts} held-out prompts, "
-              f"{args.max_new_tokens} new tokens)")
+        print(
+            f"\nτ in vLLM, same recipe ({train_samples} train samples, "
+            f"{args.epochs} epochs, {args.eval_prompts} held-out prompts, "
+            f"{args.max_new_tokens} new tokens)"
+        )
         print("| trained from | τ in vLLM | τ offline | lossless outputs |")
         print("|---|---|---|---|")
         for dtype, (tau, offline, same, n) in taus.items():

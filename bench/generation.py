@@ -62,9 +62,13 @@ def write_recipe(args: argparse.Namespace, folder: Path, endpoint: str) -> str:
     recipe = {
         "name": "bench-generation",
         "target": {"model": args.model},
-        "data": {"sources": [{"kind": "self_generated", "self_generated": generation}], "eval_samples": 0,
-                 "max_length": 512, "regenerate_max_tokens": args.reply_tokens,
-                 "regenerate_concurrency": args.concurrency},
+        "data": {
+            "sources": [{"kind": "self_generated", "self_generated": generation}],
+            "eval_samples": 0,
+            "max_length": 512,
+            "regenerate_max_tokens": args.reply_tokens,
+            "regenerate_concurrency": args.concurrency,
+        },
         "extraction": {"dtype": "float32", "store": str(folder / "store")},
         "vllm": {"endpoints": [endpoint]},
         "drafter": {"kind": "dflash", "block_size": 4, "num_layers": 1},
@@ -75,16 +79,25 @@ def write_recipe(args: argparse.Namespace, folder: Path, endpoint: str) -> str:
 
 def generated_tokens(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total{")
+    )
 
 
 def start(args: argparse.Namespace, work: Path, extract: bool) -> ServerProcess:
     staging = tempfile.mkdtemp(prefix="draftflow-bench-", dir="/dev/shm") if extract else None
     spec = LaunchSpec(
-        python=str(default_home() / "vllm-venv" / "bin" / "python"), model=args.model, port=free_port(),
-        device="cpu", dtype="float32", max_model_len=1024, extract_layer_ids=[2, 15, 27, 30] if extract else None,
-        staging_dir=staging, extra_args=["--no-enable-prefix-caching"],
+        python=str(default_home() / "vllm-venv" / "bin" / "python"),
+        model=args.model,
+        port=free_port(),
+        device="cpu",
+        dtype="float32",
+        max_model_len=1024,
+        extract_layer_ids=[2, 15, 27, 30] if extract else None,
+        staging_dir=staging,
+        extra_args=["--no-enable-prefix-caching"],
         log_path=str(work / f"vllm-{'extraction' if extract else 'plain'}.log"),
     )
     print(f"starting {'extraction' if extract else 'plain'} vLLM ({spec.url}) ...", file=sys.stderr)
@@ -107,7 +120,9 @@ def pipeline_pass(args: argparse.Namespace, folder: Path, url: str) -> tuple[flo
 
 async def plain_pass(url: str, plan: Plan, concurrency: int) -> float:
     """The pipeline's requests of ``plan`` again, sent straight to the server: tokens/s."""
-    records = [json.loads(line) for line in Path(plan.data.generation_partial(0, "")).read_text().splitlines()]
+    records = [
+        json.loads(line) for line in Path(plan.data.generation_partial(0, "")).read_text().splitlines()
+    ]
     settings, seed = plan.recipe.data.sources[0].generation, plan.recipe.data.seed
     encoder = load_chat_encoder(plan.recipe.target)
     attempts = sorted(r["first"] for r in records if "first" in r)
@@ -119,19 +134,29 @@ async def plain_pass(url: str, plan: Plan, concurrency: int) -> float:
             text = steering(settings, i)
             prefix = user_turn_prefix(encoder, [{"role": "system", "content": text}] if text else [])
             ids = encoder.tokenizer(prefix, add_special_tokens=False)["input_ids"]
-            return "/v1/completions", {"model": model, "prompt": ids, "max_tokens": settings.max_tokens,
-                                       "temperature": settings.temperature, "top_p": settings.top_p, "seed": seed + i}
+            return "/v1/completions", {
+                "model": model,
+                "prompt": ids,
+                "max_tokens": settings.max_tokens,
+                "temperature": settings.temperature,
+                "top_p": settings.top_p,
+                "seed": seed + i,
+            }
 
         def reply(messages: list[dict]) -> tuple[str, dict]:
-            return "/v1/chat/completions", {"model": model, "messages": messages, "temperature": 0.0,
-                                            "max_tokens": plan.recipe.data.regenerate_max_tokens}
+            return "/v1/chat/completions", {
+                "model": model,
+                "messages": messages,
+                "temperature": 0.0,
+                "max_tokens": plan.recipe.data.regenerate_max_tokens,
+            }
 
         phases = [[completion(i) for i in attempts], [reply(m) for m in kept]]
         before, t0 = generated_tokens(url), time.perf_counter()
         for requests in phases:
             pending = iter(requests)
 
-            async def worker() -> None:
+            async def worker(pending=pending) -> None:
                 for path, body in pending:
                     (await http.post(path, json=body)).raise_for_status()
 
@@ -171,8 +196,10 @@ def main() -> int:
                 server.stop()
                 shutil.rmtree(server.spec.staging_dir, ignore_errors=True)
         p, q = statistics.median(plain), statistics.median(pipe)
-        print(f"conversations {args.prompts}, concurrency {args.concurrency}, user turns <= {args.max_tokens} "
-              f"tokens, replies <= {args.reply_tokens} tokens")
+        print(
+            f"conversations {args.prompts}, concurrency {args.concurrency}, user turns <= {args.max_tokens} "
+            f"tokens, replies <= {args.reply_tokens} tokens"
+        )
         print(f"plain vLLM server          {p:8.1f} tokens/s  (runs: {', '.join(f'{x:.1f}' for x in plain)})")
         print(f"pipeline (plain server)    {q:8.1f} tokens/s  (runs: {', '.join(f'{x:.1f}' for x in pipe)})")
         print(f"ratio                      {q / p:8.3f}  (target >= 0.9)")

@@ -18,7 +18,6 @@ from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, eagle3_loss
 from draftflow.models.target_weights import TargetHead
 from draftflow.models.vocab import DraftVocab
 
-
 CHECK_TOL = 2e-3
 GAMMA, TTT_DECAY = 7.0, 0.8  # the schema defaults for block 16 and for Eagle3
 

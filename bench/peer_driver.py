@@ -90,9 +90,7 @@ def build_model(meta: dict, x: dict):
             speculators_config=spec,
         )
         model = Eagle3DraftModel(cfg)
-    state = {
-        k.removeprefix("drafter."): v for k, v in x.items() if k.startswith("drafter.")
-    }
+    state = {k.removeprefix("drafter."): v for k, v in x.items() if k.startswith("drafter.")}
     state.update(
         {
             "embed_tokens.weight": x["embed"],
@@ -127,9 +125,7 @@ def forward_kwargs(meta: dict, x: dict) -> dict:
 
     t = meta["seq"]
     loss = resolve_loss_config("kl_div", "eager")
-    hidden = x["hidden_states"].flatten(
-        -2
-    )  # [1, T, n·H] as its data loader concatenates
+    hidden = x["hidden_states"].flatten(-2)  # [1, T, n·H] as its data loader concatenates
     if meta["kind"] == "dflash":
         return dict(
             hidden_states=hidden,
@@ -164,9 +160,7 @@ def main(folder: Path) -> None:
     if meta["kind"] == "dflash":
         pin_anchors(x["anchors"])
     kwargs = forward_kwargs(meta, x)
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=meta["lr"]
-    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=meta["lr"])
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, cpu, losses = [], [], []
     for _ in range(1 + meta["steps"]):
@@ -190,9 +184,7 @@ def main(folder: Path) -> None:
                 "peak_rss_mb": round(peak / 1024, 1),
                 "rss_growth_mb": round((peak - base) / 1024, 1),
                 "first_loss": round(losses[0], 6),
-                "trainable": sum(
-                    p.numel() for p in model.parameters() if p.requires_grad
-                ),
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             }
         )
     )

@@ -27,9 +27,7 @@ GAMMA, TTT_DECAY, LR = 4.0, 0.8, 1e-4
 PROMPT_FRACTION = 0.125  # the first tokens are "prompt": loss mask 0, never anchors
 
 
-def point_meta(
-    kind: str, seq: int, anchors: int, ttt_steps: int, steps: int, threads: int
-) -> dict:
+def point_meta(kind: str, seq: int, anchors: int, ttt_steps: int, steps: int, threads: int) -> dict:
     return {
         "kind": kind,
         "seq": seq,
@@ -112,31 +110,23 @@ def write_inputs(folder: Path, meta: dict, seed: int = 0) -> None:
         "input_ids": torch.randint(0, VOCAB, (1, t), generator=gen),
         "hidden_states": torch.randn(1, t, CONTEXT_LAYERS, HIDDEN, generator=gen),
         "last_hidden": torch.randn(1, t, HIDDEN, generator=gen) * 4.0,
-        "loss_mask": (torch.arange(t) >= int(t * PROMPT_FRACTION)).to(torch.int64)[
-            None
-        ],
+        "loss_mask": (torch.arange(t) >= int(t * PROMPT_FRACTION)).to(torch.int64)[None],
         "embed": torch.randn(VOCAB, HIDDEN, generator=gen) * 0.02,
         "final_norm": 1.0 + 0.1 * torch.randn(HIDDEN, generator=gen),
         "d2t": vocab.d2t,
         "t2d": vocab.t2d,
     }
-    tensors["target_head"] = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05)[
-        vocab.target_ids()
-    ]
+    tensors["target_head"] = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05)[vocab.target_ids()]
     # Anchors: loss-masked, a full block inside the sequence, at least one context token before
     # (both trainers' eligibility rules agree on these), sorted, all valid.
     lo = int(t * PROMPT_FRACTION)
     eligible = torch.arange(max(1, lo), t - b)
-    tensors["anchors"] = (
-        eligible[torch.randperm(eligible.numel(), generator=gen)[:a]].sort().values
-    )
+    tensors["anchors"] = eligible[torch.randperm(eligible.numel(), generator=gen)[:a]].sort().values
     torch.manual_seed(seed)
     model = build_drafter(meta, vocab)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(tensors["embed"])
-        model.lm_head.weight.copy_(
-            tensors["target_head"]
-        )  # both trainers start from the target's rows
+        model.lm_head.weight.copy_(tensors["target_head"])  # both trainers start from the target's rows
     for name, value in model.state_dict().items():
         if name not in ("d2t", "t2d", "embed_tokens.weight"):
             tensors["drafter." + name] = value
@@ -160,9 +150,7 @@ def load_draftflow(folder: Path):
     x = load_file(str(folder / "inputs.safetensors"))
     vocab = DraftVocab(x["d2t"], x["t2d"])
     model = build_drafter(meta, vocab)
-    state = {
-        k.removeprefix("drafter."): v for k, v in x.items() if k.startswith("drafter.")
-    }
+    state = {k.removeprefix("drafter."): v for k, v in x.items() if k.startswith("drafter.")}
     state["embed_tokens.weight"] = x["embed"]
     model.load_state_dict(state, strict=False)
     batch = PackedBatch(
@@ -261,9 +249,7 @@ def reference_convention_loss(folder: Path) -> float:
     ids, bpos, lo, hi = model.make_blocks(batch.input_ids, pos, start, anchors, valid)
     hidden = model(ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi)
     logq = torch.log_softmax(model.compute_logits(hidden[:, :, 1:]), -1)
-    tgt, _, labelled = block_targets(
-        batch.input_ids, batch.loss_mask, end, anchors, valid, BLOCK
-    )
+    tgt, _, labelled = block_targets(batch.input_ids, batch.loss_mask, end, anchors, valid, BLOCK)
     logp = torch.log_softmax(head(batch.last_hidden[0, tgt[0] - 1])[None], -1)
     kl = (logp.exp() * (logp - logq)).sum(-1)
     w = dflash_position_weights(BLOCK, GAMMA)[1:] * labelled

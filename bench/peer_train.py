@@ -44,13 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from peer_inputs import (
+from peer_inputs import (  # noqa: E402 (bench/ is put on sys.path above)
     point_meta,
     reference_convention_loss,
     run_draftflow,
     write_inputs,
 )
-from peer_venv import ensure_peer_venv
+from peer_venv import ensure_peer_venv  # noqa: E402
 
 # (name, kind, seq, anchors, ttt steps, timed steps)
 POINTS = [
@@ -73,22 +73,14 @@ def run_child(cmd: list[str], timeout: int) -> dict:
         return {"error": f"timed out after {timeout} s"}
     if proc.returncode != 0:
         killed = (
-            proc.returncode in (-9, 137)
-            or "MemoryError" in proc.stderr
-            or "out of memory" in proc.stderr
+            proc.returncode in (-9, 137) or "MemoryError" in proc.stderr or "out of memory" in proc.stderr
         )
         tail = proc.stderr.strip().splitlines()[-1:] or [""]
-        return {
-            "error": "out of memory (killed)"
-            if killed
-            else f"exit {proc.returncode}: {tail[0][:160]}"
-        }
+        return {"error": "out of memory (killed)" if killed else f"exit {proc.returncode}: {tail[0][:160]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure(
-    points, reps: int, threads: int, peer_python: Path, timeout: int
-) -> list[dict]:
+def measure(points, reps: int, threads: int, peer_python: Path, timeout: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="draftflow-peer-") as tmp:
         for name, kind, seq, anchors, ttt, steps in points:
@@ -115,11 +107,7 @@ def measure(
                         flush=True,
                     )
                 rows.append({"point": name, "rep": rep + 1, **result})
-            if (
-                kind == "dflash"
-                and seq <= 1024
-                and "first_loss" in result.get("reference", {})
-            ):
+            if kind == "dflash" and seq <= 1024 and "first_loss" in result.get("reference", {}):
                 ours = reference_convention_loss(folder)
                 theirs = result["reference"]["first_loss"]
                 print(
@@ -144,19 +132,18 @@ def summarise(rows: list[dict]) -> list[str]:
         reps = [r for r in rows if r["point"] == name]
         ref = [r["reference"] for r in reps if "error" not in r["reference"]]
         ours = [r["draftflow"] for r in reps if "error" not in r["draftflow"]]
-        errors = {
-            r[w].get("error") for r in reps for w in ("reference", "draftflow")
-        } - {None}
+        errors = {r[w].get("error") for r in reps for w in ("reference", "draftflow")} - {None}
         ratio = cpu = rss = "-"
         if ref and ours:
-            mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
+
+            def mean(rs, k):
+                return sum(r[k] for r in rs) / len(rs)
+
             # mean step times: one lucky repetition counts less than in a mean of tokens/s
             ratio = f"{mean(ref, 'step_s') / mean(ours, 'step_s'):.2f}x"
             cpu = f"{mean(ref, 'cpu_s') / mean(ours, 'cpu_s'):.2f}x"
             rss = f"{mean(ours, 'peak_rss_mb') / mean(ref, 'peak_rss_mb'):.2f}x"
-        ref_tps = (
-            _fmt([r["tokens_per_s"] for r in ref]) if ref else "; ".join(sorted(errors))
-        )
+        ref_tps = _fmt([r["tokens_per_s"] for r in ref]) if ref else "; ".join(sorted(errors))
         rss_mb = f"{_fmt([r['peak_rss_mb'] for r in ref])} | {_fmt([r['peak_rss_mb'] for r in ours])}"
         lines.append(
             f"| {name} | {ref_tps} | {_fmt([r['tokens_per_s'] for r in ours])} | {ratio} | {cpu} | "
@@ -176,19 +163,13 @@ def main() -> None:
     )
     p.add_argument("--timeout", type=int, default=3600, help="seconds per trainer run")
     p.add_argument("--json", help="also write the raw rows here")
-    p.add_argument(
-        "--draftflow", help=argparse.SUPPRESS
-    )  # child mode: one draftflow run
+    p.add_argument("--draftflow", help=argparse.SUPPRESS)  # child mode: one draftflow run
     args = p.parse_args()
     if args.draftflow:
         print(json.dumps(run_draftflow(Path(args.draftflow))))
         return
     prefixes = [s for s in args.only.split(",") if s]
-    points = [
-        pt
-        for pt in POINTS
-        if not prefixes or any(pt[0].startswith(s) for s in prefixes)
-    ]
+    points = [pt for pt in POINTS if not prefixes or any(pt[0].startswith(s) for s in prefixes)]
     if not points:
         raise SystemExit(
             f"--only: no point matches {args.only!r}; points: {', '.join(pt[0] for pt in POINTS)}"

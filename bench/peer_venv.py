@@ -55,9 +55,7 @@ def ensure_peer_venv(log=print) -> Path:
     stamp = venv / ".draftflow-stamp"
     if stamp.is_file() and stamp.read_text().strip() == _stamp() and python.is_file():
         return python
-    log(
-        f"installing the reference trainer (speculators 0.9.0) into {venv} (first use, a few minutes)"
-    )
+    log(f"installing the reference trainer (speculators 0.9.0) into {venv} (first use, a few minutes)")
     venv.parent.mkdir(parents=True, exist_ok=True)
     if not python.is_file():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)

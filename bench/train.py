@@ -45,13 +45,25 @@ def throughput(recipe: str, steps: int) -> list[dict]:
         setup = drafter.build(plan)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            result = loop.train(setup, open_source(plan), RunLayout(tmp), init_runtime("cpu"),
-                                plan.recipe.training, max_steps=steps)
+            result = loop.train(
+                setup,
+                open_source(plan),
+                RunLayout(tmp),
+                init_runtime("cpu"),
+                plan.recipe.training,
+                max_steps=steps,
+            )
             seconds = time.perf_counter() - t0
         m = _last_metrics(result)
-        rows.append({"drafter": kind, "steps": result.steps, "seconds": round(seconds, 1),
-                     "tokens_per_s": round(m["tokens_per_s"], 1),
-                     "data_wait_pct": round(100 * m["data_wait_frac"], 2)})
+        rows.append(
+            {
+                "drafter": kind,
+                "steps": result.steps,
+                "seconds": round(seconds, 1),
+                "tokens_per_s": round(m["tokens_per_s"], 1),
+                "data_wait_pct": round(100 * m["data_wait_frac"], 2),
+            }
+        )
     return rows
 
 
@@ -76,8 +88,13 @@ def dense_mask_attention(q, k, v, ctx_k, ctx_v, lo, hi, scale, impl="dense"):
     ctx_mask = (kpos >= lo_q[..., None]) & (kpos < hi_q[..., None])
     blk_mask = qi[:, None] == qi[None, :]
     mask = torch.cat([ctx_mask, blk_mask.expand(bt, -1, -1)], -1)[:, None]  # [Bt, 1, A·B, T+A·B]
-    out = F.scaled_dot_product_attention(q.reshape(bt, a * b, nh, hd).transpose(1, 2), keys.transpose(1, 2),
-                                         vals.transpose(1, 2), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.reshape(bt, a * b, nh, hd).transpose(1, 2),
+        keys.transpose(1, 2),
+        vals.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+    )
     return out.transpose(1, 2).reshape(bt, a, b, nh, hd)
 
 
@@ -92,24 +109,46 @@ def one_point(seq: int, anchors: int, impl: str) -> dict:
     if impl == "dense-mask":
         dflash_model.dflash_attention = dense_mask_attention
     torch.manual_seed(0)
-    cfg = DFlashConfig(vocab_size=49152, hidden_size=H, intermediate_size=1536, num_layers=1, num_heads=HEADS,
-                       num_kv_heads=KV, head_dim=HD, block_size=B, mask_token_id=0, num_context_layers=3, draft_vocab_size=49152,
-                       rms_norm_eps=1e-5, rope_theta=100000.0)
+    cfg = DFlashConfig(
+        vocab_size=49152,
+        hidden_size=H,
+        intermediate_size=1536,
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=KV,
+        head_dim=HD,
+        block_size=B,
+        mask_token_id=0,
+        num_context_layers=3,
+        draft_vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+    )
     model = dflash_model.DFlashDrafter(cfg)
     model.attn_impl = "dense"
-    batch = PackedBatch(input_ids=torch.randint(0, 49152, (1, seq)), hidden_states=torch.randn(1, seq, 3, H),
-                        loss_mask=torch.ones(1, seq, dtype=torch.uint8))
+    batch = PackedBatch(
+        input_ids=torch.randint(0, 49152, (1, seq)),
+        hidden_states=torch.randn(1, seq, 3, H),
+        loss_mask=torch.ones(1, seq, dtype=torch.uint8),
+    )
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        out = dflash_model.dflash_loss(model, batch, max_anchors=anchors, gamma=4.0,
-                                       generator=torch.Generator().manual_seed(0))
+        out = dflash_model.dflash_loss(
+            model, batch, max_anchors=anchors, gamma=4.0, generator=torch.Generator().manual_seed(0)
+        )
         out.loss.backward()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seq": seq, "anchors": anchors, "impl": impl, "step_s": round(min(times), 3),
-            "peak_rss_mb": round(peak / 1024, 1), "rss_growth_mb": round((peak - base) / 1024, 1)}
+    return {
+        "seq": seq,
+        "anchors": anchors,
+        "impl": impl,
+        "step_s": round(min(times), 3),
+        "peak_rss_mb": round(peak / 1024, 1),
+        "rss_growth_mb": round((peak - base) / 1024, 1),
+    }
 
 
 def dense_bytes(seq: int, anchors: int) -> int:
@@ -123,13 +162,27 @@ def scaling() -> list[dict]:
     for seq, anchors in points:
         for impl in ("draftflow", "dense-mask"):
             if impl == "dense-mask" and dense_bytes(seq, anchors) > DENSE_LIMIT_BYTES:
-                rows.append({"seq": seq, "anchors": anchors, "impl": impl, "step_s": None,
-                             "peak_rss_mb": None, "note": f"skipped: needs ~{dense_bytes(seq, anchors) >> 30} GiB"})
+                rows.append(
+                    {
+                        "seq": seq,
+                        "anchors": anchors,
+                        "impl": impl,
+                        "step_s": None,
+                        "peak_rss_mb": None,
+                        "note": f"skipped: needs ~{dense_bytes(seq, anchors) >> 30} GiB",
+                    }
+                )
                 continue
-            proc = subprocess.run([sys.executable, __file__, "--point", f"{seq},{anchors},{impl}"],
-                                  capture_output=True, text=True, timeout=1800)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--point", f"{seq},{anchors},{impl}"],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             if proc.returncode != 0:
-                rows.append({"seq": seq, "anchors": anchors, "impl": impl, "note": proc.stderr.strip()[-200:]})
+                rows.append(
+                    {"seq": seq, "anchors": anchors, "impl": impl, "note": proc.stderr.strip()[-200:]}
+                )
                 continue
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return rows
@@ -149,8 +202,10 @@ def ratios(rows: list[dict]) -> None:
     for (seq, anchors, impl), r in by.items():
         d = by.get((seq, anchors, "dense-mask"))
         if impl == "draftflow" and d and d.get("step_s"):
-            print(f"  T={seq} A={anchors}: time x{d['step_s'] / r['step_s']:.2f}, "
-                  f"peak RSS x{d['peak_rss_mb'] / r['peak_rss_mb']:.2f}")
+            print(
+                f"  T={seq} A={anchors}: time x{d['step_s'] / r['step_s']:.2f}, "
+                f"peak RSS x{d['peak_rss_mb'] / r['peak_rss_mb']:.2f}"
+            )
 
 
 def main() -> None:

@@ -37,7 +37,9 @@ SETTINGS = ["--set", "training.checkpoint_every=2", "--set", "training.epochs=2"
 
 
 def _fixtures():
-    spec = importlib.util.spec_from_file_location("train_store_fixtures", REPO / "tests" / "train" / "conftest.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_store_fixtures", REPO / "tests" / "train" / "conftest.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -51,12 +53,16 @@ def _run(recipe: str, run_id: str, *extra: str) -> dict:
     from draftflow.train.__main__ import RESULT_PREFIX
 
     proc = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
-        TRAIN + [recipe, "--run-id", run_id, *SETTINGS, *extra], capture_output=True, text=True, env=_env(),
-        timeout=1800)
+        TRAIN + [recipe, "--run-id", run_id, *SETTINGS, *extra],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{run_id}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))
-    return json.loads(line[len(RESULT_PREFIX):])
+    return json.loads(line[len(RESULT_PREFIX) :])
 
 
 def _same_weights(a: str, b: str) -> bool:
@@ -81,9 +87,12 @@ def _audit(result: dict, reference: dict) -> dict:
         except checkpointing.TornCheckpoint:
             corrupt += 1
     steps = [json.loads(ln)["step"] for ln in Path(layout.metrics).read_text().splitlines() if ln.strip()]
-    return {"lost_steps": reference["steps"] - result["steps"], "duplicated_steps": len(steps) - len(set(steps)),
-            "corrupt_checkpoints": corrupt, "weights_equal_reference": _same_weights(result["export_dir"],
-                                                                                   reference["export_dir"])}
+    return {
+        "lost_steps": reference["steps"] - result["steps"],
+        "duplicated_steps": len(steps) - len(set(steps)),
+        "corrupt_checkpoints": corrupt,
+        "weights_equal_reference": _same_weights(result["export_dir"], reference["export_dir"]),
+    }
 
 
 def kill_trials(recipe: str, reference: dict, kills: int, rng: random.Random) -> dict:
@@ -91,8 +100,13 @@ def kill_trials(recipe: str, reference: dict, kills: int, rng: random.Random) ->
 
     done = 0
     for _ in range(kills):
-        proc = subprocess.Popen(TRAIN + [recipe, "--run-id", "kill9", *SETTINGS], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=_env())
+        proc = subprocess.Popen(
+            TRAIN + [recipe, "--run-id", "kill9", *SETTINGS],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=_env(),
+        )
         for line in proc.stdout:
             if parse_line(line):
                 break
@@ -116,8 +130,9 @@ def torn_trials(recipe: str, reference: dict, trials: int, rng: random.Random) -
         first = _run(recipe, run_id, "--max-steps", str(stop_at), "--no-export")
         layout = RunLayout(first["run_dir"])
         newest = Path(layout.checkpoint(checkpointing.marked_steps(layout)[0]))
-        victim = rng.choice([checkpointing.WEIGHTS, checkpointing.OPTIMIZER, checkpointing.RNG,
-                             checkpointing.STATE])
+        victim = rng.choice(
+            [checkpointing.WEIGHTS, checkpointing.OPTIMIZER, checkpointing.RNG, checkpointing.STATE]
+        )
         data = bytearray((newest / victim).read_bytes())
         if rng.random() < 0.5:
             data = data[: rng.randrange(len(data))]
@@ -127,11 +142,15 @@ def torn_trials(recipe: str, reference: dict, trials: int, rng: random.Random) -
         result = _run(recipe, run_id)
         fell_back += bool(result["torn_checkpoints"]) and not result["resumed_from"].endswith(newest.name)
         audits.append(_audit(result, reference))
-    return {"fault": "torn checkpoint (truncated or bit flip)", "trials": trials, "fell_back": fell_back,
-            "lost_steps": sum(a["lost_steps"] for a in audits),
-            "duplicated_steps": sum(a["duplicated_steps"] for a in audits),
-            "corrupt_checkpoints_left": sum(a["corrupt_checkpoints"] for a in audits),
-            "weights_equal_reference": sum(a["weights_equal_reference"] for a in audits)}
+    return {
+        "fault": "torn checkpoint (truncated or bit flip)",
+        "trials": trials,
+        "fell_back": fell_back,
+        "lost_steps": sum(a["lost_steps"] for a in audits),
+        "duplicated_steps": sum(a["duplicated_steps"] for a in audits),
+        "corrupt_checkpoints_left": sum(a["corrupt_checkpoints"] for a in audits),
+        "weights_equal_reference": sum(a["weights_equal_reference"] for a in audits),
+    }
 
 
 def main() -> None:

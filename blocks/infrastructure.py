@@ -15,7 +15,9 @@ from pydantic import Field, SecretStr
 from draftflow.recipe.schema import VLLMLaunchSection, VLLMSection
 
 
-def with_credentials(options: dict[str, Any], key_id: SecretStr | None, secret: SecretStr | None) -> dict[str, Any]:
+def with_credentials(
+    options: dict[str, Any], key_id: SecretStr | None, secret: SecretStr | None
+) -> dict[str, Any]:
     """fsspec options plus the object-store credentials (s3fs names: key, secret)."""
     options = dict(options)
     if key_id:
@@ -78,7 +80,9 @@ class CheckpointDestination(Block):
         default_factory=dict, description="fsspec options (shown in the UI: put credentials below)."
     )
     access_key_id: SecretStr | None = Field(None, description="Object-store key id of `url` (S3: key).")
-    secret_access_key: SecretStr | None = Field(None, description="Object-store secret of `url` (S3: secret).")
+    secret_access_key: SecretStr | None = Field(
+        None, description="Object-store secret of `url` (S3: secret)."
+    )
     hf_repo_id: str | None = Field(None, description="Hub repo id (owner/name) instead of a URL.")
     hf_token: SecretStr | None = Field(None, description="Hub token with write access.")
     hf_private: bool = Field(
@@ -90,7 +94,9 @@ class CheckpointDestination(Block):
             raise ValueError("set exactly one of `url` and `hf_repo_id`")
         return {
             "url": self.url,
-            "storage_options": with_credentials(self.storage_options, self.access_key_id, self.secret_access_key),
+            "storage_options": with_credentials(
+                self.storage_options, self.access_key_id, self.secret_access_key
+            ),
             "hf_repo_id": self.hf_repo_id,
             "hf_token": self.hf_token.get_secret_value() if self.hf_token else None,
         }
@@ -102,8 +108,9 @@ class CheckpointDestination(Block):
         s = self.settings()
         if s["hf_repo_id"]:
             return Destination(f"hf://{s['hf_repo_id']}", hf_token=s["hf_token"], private=self.hf_private)
-        return Destination.parse(s["url"], storage_options=s["storage_options"], hf_token=s["hf_token"],
-                                 private=self.hf_private)
+        return Destination.parse(
+            s["url"], storage_options=s["storage_options"], hf_token=s["hf_token"], private=self.hf_private
+        )
 
 
 ALL_BLOCKS = (VLLMServer, HiddenStateStore, CheckpointDestination)

@@ -35,16 +35,19 @@ def verifier_of(recipe: Recipe) -> Verifier:
     return Verifier(model, True, recipe.target.revision)
 
 
-def serve_command(location: str, verifier: Verifier, kind: str, speculative_tokens: int,
-                  folder_name: str) -> str:
+def serve_command(
+    location: str, verifier: Verifier, kind: str, speculative_tokens: int, folder_name: str
+) -> str:
     """What to type to serve the published copy at ``location`` (its verifier resolved by vLLM)."""
     if location.startswith("hf://"):
         lines, where = [], location.removeprefix("hf://")
     elif "://" in location and not location.startswith("file://"):
         protocol = location.split("://", 1)[0]
-        lines = ["# copy the folder first (vLLM reads local folders and hub repos), e.g. with fsspec:",
-                 f"python -c \"import fsspec; fsspec.filesystem('{protocol}').get('{location}', "
-                 f"'{folder_name}', recursive=True)\""]
+        lines = [
+            "# copy the folder first (vLLM reads local folders and hub repos), e.g. with fsspec:",
+            f"python -c \"import fsspec; fsspec.filesystem('{protocol}').get('{location}', "
+            f"'{folder_name}', recursive=True)\"",
+        ]
         where = f"./{folder_name}"
     else:
         lines, where = [], location.removeprefix("file://")
@@ -52,21 +55,29 @@ def serve_command(location: str, verifier: Verifier, kind: str, speculative_toke
         lines.append(f"vllm serve {where}")
     else:  # config.json names the verifier by the trainer's path: pass it explicitly
         spec = json.dumps({"model": where, "method": kind, "num_speculative_tokens": speculative_tokens})
-        lines += [f"# the verifier was a local folder when trained: point at your copy of {verifier.name}",
-                  f"vllm serve ./{verifier.name} --speculative-config '{spec}'"]
+        lines += [
+            f"# the verifier was a local folder when trained: point at your copy of {verifier.name}",
+            f"vllm serve ./{verifier.name} --speculative-config '{spec}'",
+        ]
     return "\n".join(lines)
 
 
 def _acceptance_table(reports: list[AcceptanceReport]) -> list[str]:
     k = max((r.draft_length for r in reports), default=0)
-    lines = ["| measured in | prompts | drafts | τ (mean acceptance length) | acceptance rate | "
-             + " | ".join(f"position {i + 1}" for i in range(k)) + " |",
-             "|" + "---|" * (5 + k)]
+    lines = [
+        "| measured in | prompts | drafts | τ (mean acceptance length) | acceptance rate | "
+        + " | ".join(f"position {i + 1}" for i in range(k))
+        + " |",
+        "|" + "---|" * (5 + k),
+    ]
     for r in reports:
         where = "vLLM" if r.source == "vllm" else "offline simulator"
-        lines.append(f"| {where} | {r.num_prompts} | {r.drafts} | "
-                     f"{r.mean_acceptance_length:.3f} | {r.acceptance_rate:.3f} | "
-                     + " | ".join(f"{p:.3f}" for p in r.per_position) + " |")
+        lines.append(
+            f"| {where} | {r.num_prompts} | {r.drafts} | "
+            f"{r.mean_acceptance_length:.3f} | {r.acceptance_rate:.3f} | "
+            + " | ".join(f"{p:.3f}" for p in r.per_position)
+            + " |"
+        )
     return lines
 
 
@@ -75,18 +86,25 @@ def _verdict(evaluation: Evaluation) -> list[str]:
     vllm = evaluation.vllm
     if vllm and vllm.throughput:
         t = vllm.throughput
-        lines.append(f"- decode speed in vLLM (batch 1): {t['with_drafter_tok_s']:.1f} tok/s with the "
-                     "drafter, "
-                     f"{t['without_drafter_tok_s']:.1f} without (speedup {t['speedup']:.2f}x)")
+        lines.append(
+            f"- decode speed in vLLM (batch 1): {t['with_drafter_tok_s']:.1f} tok/s with the "
+            "drafter, "
+            f"{t['without_drafter_tok_s']:.1f} without (speedup {t['speedup']:.2f}x)"
+        )
     for r in (evaluation.offline, vllm):
         if r and r.outputs_identical is not None:
-            lines.append(f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the "
-                         "verifier's own greedy output")
+            lines.append(
+                f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the "
+                "verifier's own greedy output"
+            )
     if evaluation.relative_gap is not None:
-        lines.append(f"- offline vs vLLM τ gap {evaluation.relative_gap:.1%} "
-                     f"(tolerance {evaluation.agreement_tolerance:.1%})")
-    lines.append(f"- gate passed: τ {evaluation.tau:.3f} "
-                 f"(at least {evaluation.min_acceptance_length:.3f} required)")
+        lines.append(
+            f"- offline vs vLLM τ gap {evaluation.relative_gap:.1%} "
+            f"(tolerance {evaluation.agreement_tolerance:.1%})"
+        )
+    lines.append(
+        f"- gate passed: τ {evaluation.tau:.3f} (at least {evaluation.min_acceptance_length:.3f} required)"
+    )
     return lines
 
 
@@ -95,7 +113,8 @@ def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
     size = provenance.get("draft_vocab_size")
     vocab = f"draft vocabulary of {size} tokens" if size else "the verifier's full vocabulary"
     sources = ", ".join(
-        s.kind + (f" `{PurePosixPath(s.path.rstrip('/')).name}`" if s.path else "")
+        s.kind
+        + (f" `{PurePosixPath(s.path.rstrip('/')).name}`" if s.path else "")
         + (f" (≤ {s.max_samples} conversations)" if s.max_samples else "")
         for s in data.sources
     )
@@ -112,8 +131,16 @@ def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
     ]
 
 
-def render(*, recipe: Recipe, recipe_text: str, provenance: dict, evaluation: Evaluation, location: str,
-           folder_name: str, chart: bool) -> str:
+def render(
+    *,
+    recipe: Recipe,
+    recipe_text: str,
+    provenance: dict,
+    evaluation: Evaluation,
+    location: str,
+    folder_name: str,
+    chart: bool,
+) -> str:
     """The card's Markdown for the checkpoint published at ``location``."""
     verifier = verifier_of(recipe)
     kind, k = provenance["drafter"], int(provenance["speculative_tokens"])
@@ -145,7 +172,13 @@ def render(*, recipe: Recipe, recipe_text: str, provenance: dict, evaluation: Ev
     ]
     if chart:
         lines += [f"![Per-position acceptance]({CHART_FILE})", ""]
-    lines += ["## Training", "", *_training(recipe, provenance, recipe_text), "",
-              "`recipe.yaml` (the resolved recipe), `train_command.txt` and `provenance.json` in this folder "
-              "record how it was made.", ""]
+    lines += [
+        "## Training",
+        "",
+        *_training(recipe, provenance, recipe_text),
+        "",
+        "`recipe.yaml` (the resolved recipe), `train_command.txt` and `provenance.json` in this folder "
+        "record how it was made.",
+        "",
+    ]
     return "\n".join(lines)

@@ -167,7 +167,9 @@ class RunLayout:
 
     @classmethod
     def for_run(cls, run_dir: str, name: str, fingerprint: str, run_id: str) -> RunLayout:
-        return cls(join(run_dir, f"{safe_component(name)}-{safe_component(fingerprint)}", safe_component(run_id)))
+        return cls(
+            join(run_dir, f"{safe_component(name)}-{safe_component(fingerprint)}", safe_component(run_id))
+        )
 
     @property
     def metrics(self) -> str:

@@ -57,13 +57,23 @@ class ProgressSnapshot:
         total = f"/{self.total}" if self.total is not None else ""
         pct = f" ({100 * self.fraction:.1f}%)" if self.fraction is not None else ""
         eta = "done" if self.finished else f"ETA {format_duration(self.eta_s)}"
-        return (f"{self.label}: {self.done}{total} {self.unit}{pct}, {self.rate:.2f} {self.unit}/s, "
-                f"{eta}, {self.failed} failed")
+        return (
+            f"{self.label}: {self.done}{total} {self.unit}{pct}, {self.rate:.2f} {self.unit}/s, "
+            f"{eta}, {self.failed} failed"
+        )
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "done": self.done, "total": self.total, "failed": self.failed,
-                "unit": self.unit, "rate_per_s": self.rate, "eta_s": self.eta_s, "elapsed_s": self.elapsed_s,
-                "finished": self.finished}
+        return {
+            "label": self.label,
+            "done": self.done,
+            "total": self.total,
+            "failed": self.failed,
+            "unit": self.unit,
+            "rate_per_s": self.rate,
+            "eta_s": self.eta_s,
+            "elapsed_s": self.elapsed_s,
+            "finished": self.finished,
+        }
 
 
 def format_duration(seconds: float | None) -> str:
@@ -79,9 +89,16 @@ Sink = Callable[[ProgressSnapshot], None]
 class Progress:
     """Thread-safe counters for one stage; see the module doc."""
 
-    def __init__(self, label: str, total: int | None = None, *, unit: str = "items",
-                 sinks: Sequence[Sink] = (), interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        label: str,
+        total: int | None = None,
+        *,
+        unit: str = "items",
+        sinks: Sequence[Sink] = (),
+        interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.label, self.total, self.unit = label, total, unit
         self.sinks = list(sinks)
         self.interval_s = interval_s
@@ -93,8 +110,9 @@ class Progress:
         self._lock = threading.Lock()
 
     def snapshot(self, finished: bool = False) -> ProgressSnapshot:
-        return ProgressSnapshot(self.label, self.done, self.total, self.failed, self.clock() - self.started,
-                                self.unit, finished)
+        return ProgressSnapshot(
+            self.label, self.done, self.total, self.failed, self.clock() - self.started, self.unit, finished
+        )
 
     def advance(self, n: int = 1, *, failed: int = 0) -> None:
         """``n`` more items finished, ``failed`` of them failed."""
@@ -169,8 +187,13 @@ class RichBar:
             return
         if self._bar is None:
             self._start(snap)
-        self._bar.update(self._task, completed=snap.done, total=snap.total, failed=snap.failed,
-                         rate=f"{snap.rate:.2f} {snap.unit}/s")
+        self._bar.update(
+            self._task,
+            completed=snap.done,
+            total=snap.total,
+            failed=snap.failed,
+            rate=f"{snap.rate:.2f} {snap.unit}/s",
+        )
         if snap.finished:
             self._bar.stop()
             self._bar = None
@@ -185,16 +208,25 @@ class RichBar:
             TimeRemainingColumn,
         )
 
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TextColumn(snap.unit), TextColumn("{task.fields[rate]}"), TextColumn("ETA"),
-                             TimeRemainingColumn(), TextColumn("{task.fields[failed]} failed"),
-                             console=Console(file=self.stream), transient=False)
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(snap.unit),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[failed]} failed"),
+            console=Console(file=self.stream),
+            transient=False,
+        )
         self._bar.start()
         self._task = self._bar.add_task(snap.label, total=snap.total, failed=0, rate="")
 
 
-_SINKS: contextvars.ContextVar[tuple[Sink, ...]] = contextvars.ContextVar("draftflow_progress_sinks",
-                                                                         default=())
+_SINKS: contextvars.ContextVar[tuple[Sink, ...]] = contextvars.ContextVar(
+    "draftflow_progress_sinks", default=()
+)
 
 
 @contextlib.contextmanager

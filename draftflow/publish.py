@@ -58,8 +58,14 @@ class Destination:
     private: bool = True
 
     @classmethod
-    def parse(cls, url: str, *, storage_options: dict | None = None, hf_token: str | None = None,
-              private: bool = True) -> Destination:
+    def parse(
+        cls,
+        url: str,
+        *,
+        storage_options: dict | None = None,
+        hf_token: str | None = None,
+        private: bool = True,
+    ) -> Destination:
         """``private``: for a new Hub repository, unless the URL's ``?private=`` says otherwise."""
         parts = urlsplit(url)
         if parts.scheme != "hf":
@@ -101,15 +107,21 @@ def check_publishable(checkpoint: Path, evaluation: Evaluation, target_info=None
     """Raise :class:`PublishRefused` unless ``evaluation`` measured exactly this folder and passed."""
     digest = checkpoint_digest(checkpoint)
     if evaluation.checkpoint_digest is None:
-        raise PublishRefused(f"the report records no checkpoint digest, so it cannot be tied to "
-                             f"{checkpoint}: evaluate the checkpoint again; nothing was pushed")
+        raise PublishRefused(
+            f"the report records no checkpoint digest, so it cannot be tied to "
+            f"{checkpoint}: evaluate the checkpoint again; nothing was pushed"
+        )
     if evaluation.checkpoint_digest != digest:
-        raise PublishRefused(f"the report measured other bytes (checkpoint sha256 "
-                             f"{evaluation.checkpoint_digest[:12]}…) than {checkpoint} holds "
-                             f"({digest[:12]}…): evaluate this checkpoint; nothing was pushed")
+        raise PublishRefused(
+            f"the report measured other bytes (checkpoint sha256 "
+            f"{evaluation.checkpoint_digest[:12]}…) than {checkpoint} holds "
+            f"({digest[:12]}…): evaluate this checkpoint; nothing was pushed"
+        )
     if not evaluation.passed_gate:
-        raise PublishRefused(f"gate failed: τ {evaluation.tau:.3f} < evaluation.min_acceptance_length "
-                             f"{evaluation.min_acceptance_length}; nothing was pushed")
+        raise PublishRefused(
+            f"gate failed: τ {evaluation.tau:.3f} < evaluation.min_acceptance_length "
+            f"{evaluation.min_acceptance_length}; nothing was pushed"
+        )
     if not evaluation.agrees:
         raise PublishRefused(f"{evaluation.disagreement()}; nothing was pushed")
     problems = list(evaluation.contract_problems) or check_contract(checkpoint, target_info)
@@ -117,8 +129,14 @@ def check_publishable(checkpoint: Path, evaluation: Evaluation, target_info=None
         raise PublishRefused("checkpoint contract broken; nothing was pushed:\n- " + "\n- ".join(problems))
 
 
-def publish(checkpoint: str | Path, report: str | Path, destination: Destination | None, *,
-            target_info=None, recipe: Recipe | None = None) -> Published:
+def publish(
+    checkpoint: str | Path,
+    report: str | Path,
+    destination: Destination | None,
+    *,
+    target_info=None,
+    recipe: Recipe | None = None,
+) -> Published:
     """Check, write the model card (and chart) into ``checkpoint``, push it to ``destination``.
 
     ``report``: the ``report.json`` of the evaluation of this checkpoint (its ``acceptance.png``
@@ -139,9 +157,15 @@ def publish(checkpoint: str | Path, report: str | Path, destination: Destination
     location = None
     if destination is not None:
         location = f"hf://{destination.hub_repo}" if destination.hub_repo else join(destination.url, name)
-    card = render(recipe=recipe, recipe_text=recipe_text, provenance=read_provenance(folder) or {},
-                  evaluation=evaluation, location=location or str(folder), folder_name=name,
-                  chart=chart.is_file())
+    card = render(
+        recipe=recipe,
+        recipe_text=recipe_text,
+        provenance=read_provenance(folder) or {},
+        evaluation=evaluation,
+        location=location or str(folder),
+        folder_name=name,
+        chart=chart.is_file(),
+    )
     (folder / MODEL_CARD).write_text(card)
     if destination is None:
         return Published(None, version, pushed=False)
@@ -156,9 +180,11 @@ def _recipe(folder: Path, fallback: Recipe | None) -> tuple[Recipe, str]:
         text = path.read_text()
         return recipe_from_dict(yaml.safe_load(text), str(path)), text
     if fallback is None:
-        raise PublishRefused(f"{folder} has no {EXPORT_RECIPE} (the trainer's export writes one) and no "
-                             "recipe was given: the model card cannot say how it was trained; nothing was "
-                             "pushed")
+        raise PublishRefused(
+            f"{folder} has no {EXPORT_RECIPE} (the trainer's export writes one) and no "
+            "recipe was given: the model card cannot say how it was trained; nothing was "
+            "pushed"
+        )
     return fallback, yaml.safe_dump(json.loads(fallback.model_dump_json()), sort_keys=False)
 
 
@@ -195,6 +221,10 @@ def push_hub(folder: Path, repo_id: str, token: str | None, *, private: bool = T
     if current.get("version") == version:
         return Published(location, version, pushed=False)
     (folder / VERSION_FILE).write_text(json.dumps({"version": version}))
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), token=token,
-                      commit_message=f"draftflow checkpoint {version}")
+    api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        token=token,
+        commit_message=f"draftflow checkpoint {version}",
+    )
     return Published(location, version, pushed=True)

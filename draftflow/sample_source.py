@@ -29,7 +29,14 @@ import pyarrow as pa
 
 from draftflow import paths
 from draftflow.async_run import run_coroutine
-from draftflow.extraction import ShardResult, extract_samples, extract_shard, make_client, plan_shard, train_set
+from draftflow.extraction import (
+    ShardResult,
+    extract_samples,
+    extract_shard,
+    make_client,
+    plan_shard,
+    train_set,
+)
 from draftflow.plan import Plan
 from draftflow.process_env import storage_options_from_env, vllm_api_key_from_env
 from draftflow.store import (
@@ -73,8 +80,11 @@ class SampleSource:
         max_missing_fraction: float | None = None,
     ):
         self.plan = plan
-        self.max_missing_fraction = (plan.recipe.training.max_missing_fraction if max_missing_fraction is None
-                                     else max_missing_fraction)
+        self.max_missing_fraction = (
+            plan.recipe.training.max_missing_fraction
+            if max_missing_fraction is None
+            else max_missing_fraction
+        )
         self.skipped: dict[str, str] = {}  # offline: samples left out (training.max_missing_fraction) -> why
         self.mode = mode or plan.recipe.extraction.mode
         if self.mode not in ("offline", "online", "hybrid"):
@@ -119,7 +129,9 @@ class SampleSource:
     def items(self) -> list[tuple[str, int]]:
         """(sample_id, num_tokens) of every train sample (but those skipped), in the prepared order;
         no tensor is read."""
-        return [(e.sample_id, e.num_tokens) for e in self._train.expected() if e.sample_id not in self.skipped]
+        return [
+            (e.sample_id, e.num_tokens) for e in self._train.expected() if e.sample_id not in self.skipped
+        ]
 
     # -- loading ----------------------------------------------------------------------
 
@@ -177,8 +189,16 @@ class SampleSource:
             if self._vllm_version is None:
                 self._vllm_version = await client.version()
             return [
-                await extract_shard(self.plan, self.store, shard, client, mode="online",
-                                    vllm_version=self._vllm_version, train=self._train, return_samples=True)
+                await extract_shard(
+                    self.plan,
+                    self.store,
+                    shard,
+                    client,
+                    mode="online",
+                    vllm_version=self._vllm_version,
+                    train=self._train,
+                    return_samples=True,
+                )
                 for shard in shards  # each shard already spreads its samples over every endpoint
             ]
 
@@ -249,7 +269,9 @@ class Prefetcher:
 
     _END = object()
 
-    def __init__(self, load: Callable[[list[str]], list[Sample]], batches: Iterable[Sequence[str]], depth: int = 2):
+    def __init__(
+        self, load: Callable[[list[str]], list[Sample]], batches: Iterable[Sequence[str]], depth: int = 2
+    ):
         if depth < 1:
             raise ValueError("depth must be >= 1")
         self.wait_s = 0.0

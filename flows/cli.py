@@ -30,11 +30,25 @@ def _blocks_register(args) -> int:
 def _deploy(args) -> int:
     from flows.deploy import deploy
 
-    blocks = {"store_block": args.store_block, "vllm_block": args.vllm_block,
-              "destination_block": args.destination_block}
-    deployment_id = deploy(args.recipe, cron=args.cron, timezone=args.timezone, name=args.name, pool=args.pool,
-                           overrides=list(args.overrides), flow=args.flow, blocks=blocks, paused=args.paused)
-    schedule = f"cron {args.cron!r} ({args.timezone or 'UTC'})" if args.cron else "no schedule (run on demand)"
+    blocks = {
+        "store_block": args.store_block,
+        "vllm_block": args.vllm_block,
+        "destination_block": args.destination_block,
+    }
+    deployment_id = deploy(
+        args.recipe,
+        cron=args.cron,
+        timezone=args.timezone,
+        name=args.name,
+        pool=args.pool,
+        overrides=list(args.overrides),
+        flow=args.flow,
+        blocks=blocks,
+        paused=args.paused,
+    )
+    schedule = (
+        f"cron {args.cron!r} ({args.timezone or 'UTC'})" if args.cron else "no schedule (run on demand)"
+    )
     print(f"deployment {deployment_id}: {args.flow} of {args.recipe} on work pool {args.pool!r}, {schedule}")
     print(f"start a worker where this checkout is: prefect worker start --pool {args.pool}")
     return 0
@@ -43,15 +57,23 @@ def _deploy(args) -> int:
 def _add_deploy(sub) -> None:
     from flows.deploy import DEFAULT_POOL, ENTRYPOINTS
 
-    p = sub.add_parser("deploy", help="create or update a scheduled deployment of a recipe on a process work pool")
+    p = sub.add_parser(
+        "deploy", help="create or update a scheduled deployment of a recipe on a process work pool"
+    )
     p.add_argument("recipe", help="a recipe file (e.g. a fork) or a shipped recipe's name")
     p.add_argument("--cron", help='schedule, e.g. "0 2 * * *" (nightly at 02:00); none: run on demand')
     p.add_argument("--timezone", help="IANA time zone of the cron schedule (default UTC)")
     p.add_argument("--name", help="deployment name (default: the recipe's name)")
-    p.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool, created if missing (default {DEFAULT_POOL})")
-    p.add_argument("--flow", default="pipeline", choices=sorted(ENTRYPOINTS), help="which flow (default pipeline)")
+    p.add_argument(
+        "--pool", default=DEFAULT_POOL, help=f"process work pool, created if missing (default {DEFAULT_POOL})"
+    )
+    p.add_argument(
+        "--flow", default="pipeline", choices=sorted(ENTRYPOINTS), help="which flow (default pipeline)"
+    )
     for block in ("store", "vllm", "destination"):
-        p.add_argument(f"--{block}-block", dest=f"{block}_block", metavar="NAME", help=f"name of a saved {block} block")
+        p.add_argument(
+            f"--{block}-block", dest=f"{block}_block", metavar="NAME", help=f"name of a saved {block} block"
+        )
     p.add_argument("--paused", action="store_true", help="create the schedule paused")
     add_overrides(p)
     p.set_defaults(func=_deploy)
@@ -60,8 +82,10 @@ def _add_deploy(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     sub = next(a for a in parser._subparsers._group_actions)  # the sub-command action
-    for name, help_text in (("pipeline", "run every stage of a recipe as a Prefect flow"),
-                            ("demo", "the `make demo` job: `pipeline` on the default recipe")):
+    for name, help_text in (
+        ("pipeline", "run every stage of a recipe as a Prefect flow"),
+        ("demo", "the `make demo` job: `pipeline` on the default recipe"),
+    ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("recipe", nargs="?", default="smollm2-135m-dflash-cpu")
         add_overrides(p)
@@ -69,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = sub.add_parser("blocks", help="Prefect blocks of draftflow (servers, stores, destinations)")
     bsub = blocks.add_subparsers(dest="blocks_command", required=True)
     bsub.add_parser("register", help="register the block types with the Prefect server").set_defaults(
-        func=_blocks_register)
+        func=_blocks_register
+    )
     _add_deploy(sub)
     return run(parser, argv)
 

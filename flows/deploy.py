@@ -53,20 +53,35 @@ def ensure_process_pool(name: str) -> bool:
         try:
             pool = client.read_work_pool(name)
         except ObjectNotFound:
-            client.create_work_pool(WorkPoolCreate(
-                name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
-                description="draftflow flows, run from a checkout of the repository by `prefect worker start`",
-            ))
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name=name,
+                    type="process",
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description="draftflow flows, run from a checkout of the repository by `prefect worker start`",
+                )
+            )
             return True
     if pool.type != "process":
-        raise RecipeError(f"work pool {name!r} is a {pool.type!r} pool: `draftflow deploy` needs a process "
-                          "pool (the flows run from this folder, no image); pass --pool another name")
+        raise RecipeError(
+            f"work pool {name!r} is a {pool.type!r} pool: `draftflow deploy` needs a process "
+            "pool (the flows run from this folder, no image); pass --pool another name"
+        )
     return False
 
 
-def deploy(recipe: str, *, cron: str | None = None, timezone: str | None = None, name: str | None = None,
-           pool: str = DEFAULT_POOL, overrides: list[str] | tuple[str, ...] = (), flow: str = "pipeline",
-           blocks: dict[str, str] | None = None, paused: bool = False) -> UUID:
+def deploy(
+    recipe: str,
+    *,
+    cron: str | None = None,
+    timezone: str | None = None,
+    name: str | None = None,
+    pool: str = DEFAULT_POOL,
+    overrides: list[str] | tuple[str, ...] = (),
+    flow: str = "pipeline",
+    blocks: dict[str, str] | None = None,
+    paused: bool = False,
+) -> UUID:
     """Create or update the deployment; returns its id. The recipe is validated first (schema +
     overrides: the target need not be on this machine, only on the worker's)."""
     from prefect import flow as prefect_flow
@@ -85,8 +100,15 @@ def deploy(recipe: str, *, cron: str | None = None, timezone: str | None = None,
     ensure_process_pool(pool)
     deployable = prefect_flow.from_source(source=str(SOURCE_DIR), entrypoint=ENTRYPOINTS[flow])
     return deployable.deploy(
-        name=name or parsed.name, work_pool_name=pool, build=False, push=False, parameters=parameters,
-        schedule=Cron(cron, timezone=timezone or "UTC") if cron else None, paused=paused,
-        description=f"draftflow {flow} of recipe {parsed.name}", tags=["draftflow", f"recipe:{parsed.name}"],
-        print_next_steps=False, ignore_warnings=True,
+        name=name or parsed.name,
+        work_pool_name=pool,
+        build=False,
+        push=False,
+        parameters=parameters,
+        schedule=Cron(cron, timezone=timezone or "UTC") if cron else None,
+        paused=paused,
+        description=f"draftflow {flow} of recipe {parsed.name}",
+        tags=["draftflow", f"recipe:{parsed.name}"],
+        print_next_steps=False,
+        ignore_warnings=True,
     )

@@ -24,8 +24,12 @@ from tasks.train import train_drafter
 
 
 @flow(name="draftflow-prepare", log_prints=True)
-def prepare(recipe: str, overrides: list[str] | None = None, store_block: str | None = None,
-            vllm_block: str | None = None) -> dict:
+def prepare(
+    recipe: str,
+    overrides: list[str] | None = None,
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+) -> dict:
     overrides = list(overrides or [])
     resolve_plan(recipe, overrides)
     # Starts (and stops) a plain vLLM server itself when the target must write text.
@@ -33,8 +37,13 @@ def prepare(recipe: str, overrides: list[str] | None = None, store_block: str | 
 
 
 @flow(name="draftflow-extract", log_prints=True)
-def extract(recipe: str, overrides: list[str] | None = None, store_block: str | None = None,
-            vllm_block: str | None = None, keep_server: bool = False):
+def extract(
+    recipe: str,
+    overrides: list[str] | None = None,
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+    keep_server: bool = False,
+):
     """Server → prepare → one mapped task per shard → shard table. Fails if any shard failed.
 
     With keep_server, returns (summary, server handle) so the caller can keep vLLM up
@@ -46,33 +55,55 @@ def extract(recipe: str, overrides: list[str] | None = None, store_block: str | 
     prepare_data(recipe, overrides, store_block, vllm_block)
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
     with stopped_unless_kept(server, keep_server):
-        shards, outcomes, reasons = extract_every_shard(recipe, overrides, ref["fingerprint"], store_block,
-                                                         vllm_block, ref["shard_table_key"] + "-progress")
+        shards, outcomes, reasons = extract_every_shard(
+            recipe,
+            overrides,
+            ref["fingerprint"],
+            store_block,
+            vllm_block,
+            ref["shard_table_key"] + "-progress",
+        )
         summary = shard_table(shards, outcomes, ref["shard_table_key"], reasons)
         fail_on_failed_shards(summary)
     return (summary, server) if keep_server else summary
 
 
 @flow(name="draftflow-train", log_prints=True)
-def train(recipe: str, overrides: list[str] | None = None, store_block: str | None = None,
-          vllm_block: str | None = None, run_id: str | None = None) -> dict:
+def train(
+    recipe: str,
+    overrides: list[str] | None = None,
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+    run_id: str | None = None,
+) -> dict:
     overrides = list(overrides or [])
     resolve_plan(recipe, overrides)
-    return train_drafter(recipe, overrides, run_id or current_run_id(), store_block=store_block,
-                         vllm_block=vllm_block)
+    return train_drafter(
+        recipe, overrides, run_id or current_run_id(), store_block=store_block, vllm_block=vllm_block
+    )
 
 
 @flow(name="draftflow-evaluate", log_prints=True)
-def evaluate(recipe: str, checkpoint_dir: str, run_dir: str, overrides: list[str] | None = None,
-             store_block: str | None = None) -> dict:
+def evaluate(
+    recipe: str,
+    checkpoint_dir: str,
+    run_dir: str,
+    overrides: list[str] | None = None,
+    store_block: str | None = None,
+) -> dict:
     overrides = list(overrides or [])
     resolve_plan(recipe, overrides)
     return evaluate_task(recipe, overrides, checkpoint_dir, run_dir, store_block)
 
 
 @flow(name="draftflow-publish", log_prints=True)
-def publish(recipe: str, checkpoint_dir: str, report: str, overrides: list[str] | None = None,
-            destination_block: str | None = None) -> dict:
+def publish(
+    recipe: str,
+    checkpoint_dir: str,
+    report: str,
+    overrides: list[str] | None = None,
+    destination_block: str | None = None,
+) -> dict:
     overrides = list(overrides or [])
     resolve_plan(recipe, overrides)
     return publish_task(recipe, overrides, checkpoint_dir, report, destination_block)

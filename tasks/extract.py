@@ -37,19 +37,26 @@ EXTRACTION_TAG = "draftflow-vllm-extraction"
 
 # Never cached, never persisted: a retried flow run (same run id) must check the servers again
 # (the failure may have been a dead server), and the handle carries the vLLM API key.
-@task(name="check-or-start-vllm", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False)
-def check_or_start_vllm(recipe: str, overrides: list[str], store_block: str | None,
-                        vllm_block: str | None) -> ServerHandle:
+@task(
+    name="check-or-start-vllm", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False
+)
+def check_or_start_vllm(
+    recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None
+) -> ServerHandle:
     """Healthy endpoints are checked (model, extraction, layers); dead ones started if the
     recipe or block says how. The flow stops what was started here when it ends."""
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
     r = plan.recipe
     handle = ensure_running(
-        infra.endpoints or r.vllm.endpoints, model=plan.target_model, layer_ids=plan.layer_ids,
-        hidden_size=plan.target.hidden_size, api_key=infra.api_key,
+        infra.endpoints or r.vllm.endpoints,
+        model=plan.target_model,
+        layer_ids=plan.layer_ids,
+        hidden_size=plan.target.hidden_size,
+        api_key=infra.api_key,
         launch=infra.launch if infra.launch_from_block else r.vllm.launch,
-        dtype=server_dtype(r.extraction.dtype), staging_dirs=staging_folders(plan),
+        dtype=server_dtype(r.extraction.dtype),
+        staging_dirs=staging_folders(plan),
     )
     for note in handle.unverified:
         get_run_logger().warning(note)
@@ -66,8 +73,9 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
     launch = infra.launch if infra.launch_from_block else plan.recipe.vllm.launch
     # regeneration (and prompt generation) report done/total, rate, ETA, failures to the log + an artifact
     with reporting(*prefect_sinks(artifact_key(plan, "preparation-progress"), "data preparation")):
-        worked = prepare_data_core(plan, infra.endpoints, api_key=infra.api_key,
-                                   storage_options=infra.storage_options, launch=launch)
+        worked = prepare_data_core(
+            plan, infra.endpoints, api_key=infra.api_key, storage_options=infra.storage_options, launch=launch
+        )
     report = read_report(plan.data, infra.storage_options)
     get_run_logger().info("data in %s (%s)", plan.data.prepared_dir, "prepared now" if worked else "reused")
     return {"data_root": plan.data.root, "reused": not worked, "report": report}
@@ -87,7 +95,9 @@ def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> d
     store = Store(plan.data, infra.storage_options)
     n = len(expected_samples(plan, store))
     per = plan.recipe.extraction.samples_per_shard
-    todo = {p.shard_id: "; ".join(p.reasons) for p in plan_extraction(plan, store, verify="cached").to_generate}
+    todo = {
+        p.shard_id: "; ".join(p.reasons) for p in plan_extraction(plan, store, verify="cached").to_generate
+    }
     every = [shard_id(k) for k in range((n + per - 1) // per)]
     return {"all": every, "missing": [s for s in every if s in todo], "reasons": todo}
 
@@ -100,7 +110,9 @@ def shard_cache_key(context, parameters: dict) -> str:
     "cached" and write nothing there.
     """
     run = getattr(getattr(context, "task_run", None), "flow_run_id", None)
-    where = _store_digest(str(run), parameters["recipe"], tuple(parameters["overrides"]), parameters["store_block"])
+    where = _store_digest(
+        str(run), parameters["recipe"], tuple(parameters["overrides"]), parameters["store_block"]
+    )
     return f"draftflow-shard-{parameters['fingerprint']}-{where}-{parameters['shard']}-format{FORMAT_VERSION}"
 
 
@@ -111,27 +123,49 @@ def _store_digest(flow_run_id: str, recipe: str, overrides: tuple[str, ...], sto
     return hashlib.sha256(infra_mod.plan_for(recipe, infra).data.root.encode()).hexdigest()[:12]
 
 
-@task(name="extract-shard", tags=[EXTRACTION_TAG], persist_result=True,
-      cache_policy=CacheKeyFnPolicy(cache_key_fn=shard_cache_key), task_run_name="extract-{shard}")
-def extract_shard(recipe: str, overrides: list[str], fingerprint: str, shard: str,
-                  store_block: str | None, vllm_block: str | None) -> dict:
+@task(
+    name="extract-shard",
+    tags=[EXTRACTION_TAG],
+    persist_result=True,
+    cache_policy=CacheKeyFnPolicy(cache_key_fn=shard_cache_key),
+    task_run_name="extract-{shard}",
+)
+def extract_shard(
+    recipe: str,
+    overrides: list[str],
+    fingerprint: str,
+    shard: str,
+    store_block: str | None,
+    vllm_block: str | None,
+) -> dict:
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
     if plan.fingerprint != fingerprint:
         raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
     with reporting(LineSink(get_run_logger().info)):  # this shard's samples: done/total, rate, ETA, failures
-        result = extract_shard_by_id(plan.recipe_path, infra.overrides, shard,
-                                     infra.endpoints or plan.recipe.vllm.endpoints,
-                                     api_key=infra.api_key, storage_options=infra.storage_options,
-                                     verify="cached")
-    return {"shard": shard, "skipped": result.skipped, "samples_ok": result.samples_ok,
-            "samples_failed": result.samples_failed, "tokens": result.tokens,
-            "failures": [list(f) for f in result.failures][:20]}
+        result = extract_shard_by_id(
+            plan.recipe_path,
+            infra.overrides,
+            shard,
+            infra.endpoints or plan.recipe.vllm.endpoints,
+            api_key=infra.api_key,
+            storage_options=infra.storage_options,
+            verify="cached",
+        )
+    return {
+        "shard": shard,
+        "skipped": result.skipped,
+        "samples_ok": result.samples_ok,
+        "samples_failed": result.samples_failed,
+        "tokens": result.tokens,
+        "failures": [list(f) for f in result.failures][:20],
+    }
 
 
 @task(name="shard-table")
-def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: str,
-                reasons: dict[str, str] | None = None) -> dict:
+def shard_table(
+    shards: list[str], outcomes: list[dict | BaseException], key: str, reasons: dict[str, str] | None = None
+) -> dict:
     """The shard table artifact (done / failed / reason) and counts for the flow. `reasons`: why a
     shard had to run (from plan-shards: missing, failed, corrupt); a shard that was in the store
     but broken and has been extracted again shows as "regenerated"."""
@@ -147,10 +181,11 @@ def shard_table(shards: list[str], outcomes: list[dict | BaseException], key: st
             if not outcome["skipped"] and "corrupt" in why:
                 status = "regenerated"
             reason = "; ".join([why] * bool(why) + [f"{s}: {r}" for s, r in outcome["failures"][:3]])
-            rows.append({"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason})
+            rows.append(
+                {"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason}
+            )
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}
-
 
 
 def wait_for_shards(futures: list, key: str) -> list:
@@ -160,8 +195,13 @@ def wait_for_shards(futures: list, key: str) -> list:
 
     position = {id(f): i for i, f in enumerate(futures)}
     outcomes: list = [None] * len(futures)
-    with Progress("extraction", len(futures), unit="shards", sinks=prefect_sinks(key, "extraction shards"),
-                  interval_s=0.0) as progress:
+    with Progress(
+        "extraction",
+        len(futures),
+        unit="shards",
+        sinks=prefect_sinks(key, "extraction shards"),
+        interval_s=0.0,
+    ) as progress:
         for future in as_completed(futures):
             outcome = future.result(raise_on_failure=False)
             outcomes[position[id(future)]] = outcome
@@ -169,8 +209,14 @@ def wait_for_shards(futures: list, key: str) -> list:
     return outcomes
 
 
-def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, store_block: str | None,
-                        vllm_block: str | None, progress_key: str) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
+def extract_every_shard(
+    recipe: str,
+    overrides: list[str],
+    fingerprint: str,
+    store_block: str | None,
+    vllm_block: str | None,
+    progress_key: str,
+) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
     """One mapped extract-shard task per shard (call it from a flow), each shard's outcome, and why
     each shard had to run (plan-shards' reasons).
 
@@ -194,8 +240,10 @@ def extract_every_shard(recipe: str, overrides: list[str], fingerprint: str, sto
 
 def fail_on_failed_shards(summary: dict) -> None:
     if summary["failed"]:
-        raise RuntimeError(f"{summary['failed']} of {summary['shards']} shards failed; retry the flow run "
-                           "to extract only those (completed shards are cached and in the manifest)")
+        raise RuntimeError(
+            f"{summary['failed']} of {summary['shards']} shards failed; retry the flow run "
+            "to extract only those (completed shards are cached and in the manifest)"
+        )
 
 
 @contextmanager

@@ -12,6 +12,11 @@ from tasks.infra import artifact_key
 def resolve_plan(recipe: str, overrides: list[str]) -> dict:
     """Fail fast on a bad recipe (before any server starts); return small references only."""
     plan = Plan.load(recipe, overrides)
-    return {"name": plan.recipe.name, "fingerprint": plan.fingerprint, "data_root": plan.data.root,
-            "mode": plan.recipe.extraction.mode, "shard_table_key": artifact_key(plan, "shards"),
-            "description": plan.describe()}
+    return {
+        "name": plan.recipe.name,
+        "fingerprint": plan.fingerprint,
+        "data_root": plan.data.root,
+        "mode": plan.recipe.extraction.mode,
+        "shard_table_key": artifact_key(plan, "shards"),
+        "description": plan.describe(),
+    }

@@ -40,7 +40,13 @@ from tasks.progress import prefect_sinks
 
 def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> list[str]:
     t = plan.recipe.training
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={t.nproc}", f"--nnodes={t.nnodes}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={t.nproc}",
+        f"--nnodes={t.nnodes}",
+    ]
     if t.nnodes > 1:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}"]
     else:
@@ -57,8 +63,14 @@ STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM 
 
 
 @task(name="train-drafter", tags=["draftflow-gpu-training"])
-def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int | None = None,
-                  store_block: str | None = None, vllm_block: str | None = None) -> dict:
+def train_drafter(
+    recipe: str,
+    overrides: list[str],
+    run_id: str,
+    max_steps: int | None = None,
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+) -> dict:
     """Returns the trainer's result line: steps, run_dir, export_dir, last metrics."""
     logger = get_run_logger()
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
@@ -69,9 +81,16 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
     progress = Progress("training", None, unit="steps", sinks=sinks)
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
     env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
-                            start_new_session=True,
-                            preexec_fn=terminate_with_parent)  # noqa: PLW1509 - one prctl call, no locks
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+        start_new_session=True,
+        preexec_fn=terminate_with_parent,
+    )  # noqa: PLW1509 - one prctl call, no locks
     try:
         drain = threading.Thread(target=lambda: stderr_tail.extend(proc.stderr), daemon=True)
         drain.start()
@@ -81,14 +100,19 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
             record = parse_line(line)
             if record is not None:
                 rows.append(record)
-                logger.info("step %(step)s epoch %(epoch)s loss %(loss).4f acc %(acc)s tok/s %(tokens_per_s).0f",
-                            record)
+                logger.info(
+                    "step %(step)s epoch %(epoch)s loss %(loss).4f acc %(acc)s tok/s %(tokens_per_s).0f",
+                    record,
+                )
                 if "val_tau" in record:
-                    logger.info("step %(step)s validation τ %(val_tau).4f per position %(val_acc)s "
-                                "(best %(best_val_tau).4f at step %(best_step)s)", record)
+                    logger.info(
+                        "step %(step)s validation τ %(val_tau).4f per position %(val_acc)s "
+                        "(best %(best_val_tau).4f at step %(best_step)s)",
+                        record,
+                    )
                 progress.update(done=record["step"], total=record.get("total_steps") or None)
             elif line.startswith(RESULT_PREFIX):
-                result = json.loads(line[len(RESULT_PREFIX):])
+                result = json.loads(line[len(RESULT_PREFIX) :])
         code = proc.wait()
         drain.join(timeout=5)
     finally:
@@ -101,13 +125,19 @@ def train_drafter(recipe: str, overrides: list[str], run_id: str, max_steps: int
     if rows:
         create_table_artifact(
             key=artifact_key(plan, "training-metrics"),
-            table=[{"step": r["step"], "epoch": r["epoch"], "loss": round(r["loss"], 4),
+            table=[
+                {
+                    "step": r["step"],
+                    "epoch": r["epoch"],
+                    "loss": round(r["loss"], 4),
                     **{f"acc_{i + 1}": a for i, a in enumerate(r["acc"])},
-                    "acceptance_length": round(r["acceptance_length"], 3)} for r in rows],
+                    "acceptance_length": round(r["acceptance_length"], 3),
+                }
+                for r in rows
+            ],
             description="training loss and per-position accuracy",
         )
     return result
-
 
 
 def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
@@ -117,17 +147,26 @@ def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
     if validated:
         create_table_artifact(
             key=artifact_key(plan, "training-validation"),
-            table=[{"step": r["step"], "epoch": r["epoch"], "val_tau": round(r["val_tau"], 4),
+            table=[
+                {
+                    "step": r["step"],
+                    "epoch": r["epoch"],
+                    "val_tau": round(r["val_tau"], 4),
                     **{f"val_acc_{i + 1}": a for i, a in enumerate(r["val_acc"])},
-                    "exported": r["step"] == selected.get("step")} for r in validated],
+                    "exported": r["step"] == selected.get("step"),
+                }
+                for r in validated
+            ],
             description="validation acceptance (teacher-forced τ) during training",
         )
     curves = result.get("training_curves")
     lines = [f"# Training of {plan.recipe.name}", ""]
     if selected:
         tau = selected.get("val_tau")
-        lines.append(f"Exported step {selected['step']} of {result['steps']} ({selected.get('reason')}"
-                     + (f", validation τ {tau:.4f})" if tau is not None else ")"))
+        lines.append(
+            f"Exported step {selected['step']} of {result['steps']} ({selected.get('reason')}"
+            + (f", validation τ {tau:.4f})" if tau is not None else ")")
+        )
     lines.append(f"TensorBoard: `tensorboard --logdir {result['run_dir']}`")
     if curves and os.path.isfile(curves):
         import base64
@@ -135,7 +174,13 @@ def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
         with open(curves, "rb") as f:
             png = base64.b64encode(f.read()).decode()
         lines += ["", f"![loss and validation τ](data:image/png;base64,{png})"]
-        create_link_artifact(key=artifact_key(plan, "training-curves"), link=f"file://{curves}",
-                             description="loss and validation τ against step (PNG)")
-    create_markdown_artifact(key=artifact_key(plan, "training-summary"), markdown="\n".join(lines) + "\n",
-                             description="exported step and training curves")
+        create_link_artifact(
+            key=artifact_key(plan, "training-curves"),
+            link=f"file://{curves}",
+            description="loss and validation τ against step (PNG)",
+        )
+    create_markdown_artifact(
+        key=artifact_key(plan, "training-summary"),
+        markdown="\n".join(lines) + "\n",
+        description="exported step and training curves",
+    )

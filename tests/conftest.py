@@ -66,9 +66,18 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir: Path) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
@@ -103,8 +112,13 @@ class VLLMServers:
         port = free_port()
         settings = {"max_model_len": 1024, **settings}  # the tests' prompts are short
         spec = LaunchSpec(
-            python=self.python, model=str(model), port=port, device="cpu", dtype="float32",
-            log_path=str(self.log_dir / f"vllm-{port}.log"), **settings,
+            python=self.python,
+            model=str(model),
+            port=port,
+            device="cpu",
+            dtype="float32",
+            log_path=str(self.log_dir / f"vllm-{port}.log"),
+            **settings,
         )
         server = ServerProcess(spec).start()
         server.wait_healthy(timeout_s=300)
@@ -147,8 +161,11 @@ def s3(tmp_path_factory):
     import boto3
 
     boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id="testing", aws_secret_access_key="testing",
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
     ).create_bucket(Bucket="draftflow-test")
     yield {"url": "s3://draftflow-test", "endpoint": endpoint, "storage_options": storage_options}
     server.stop()

@@ -79,7 +79,11 @@ def _kind_branches(path: Path) -> list[str]:
         elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant):
             if node.value.value in DRAFTER_KINDS:
                 found.append(f"line {node.lineno}: matches a drafter kind")
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "isinstance"
+            and len(node.args) == 2
+        ):
             names = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])}
             if names & DRAFTER_CLASSES:
                 found.append(f"line {node.lineno}: isinstance on a drafter class")
@@ -102,6 +106,7 @@ def test_only_models_knows_drafter_kinds_apart():
 
 def test_the_kind_rule_catches_a_branch(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text('if spec.kind == "eagle3":\n    pass\nkeys = {"dflash": 1}\n'
-                      'ok = isinstance(m, DFlashDrafter)\n')
+    sample.write_text(
+        'if spec.kind == "eagle3":\n    pass\nkeys = {"dflash": 1}\nok = isinstance(m, DFlashDrafter)\n'
+    )
     assert len(_kind_branches(sample)) == 3

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 
-from draftflow.data.regenerate import regenerate_conversations, run_coroutine
+from draftflow.async_run import run_coroutine
+from draftflow.data.regenerate import regenerate_conversations
 from draftflow.progress import LineSink, Progress, RichBar, reporting, stage
 
 

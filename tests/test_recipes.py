@@ -21,7 +21,12 @@ def test_every_shipped_recipe_validates():
     files = all_recipe_files(REPO / "recipes")
     assert len(files) >= 4
     names = {f.stem for f in files}
-    assert {"smollm2-135m-dflash-cpu", "qwen3-8b-dflash", "llama-3.1-8b-eagle3", "gemma-4-31b-dflash"} <= names
+    assert {
+        "smollm2-135m-dflash-cpu",
+        "qwen3-8b-dflash",
+        "llama-3.1-8b-eagle3",
+        "gemma-4-31b-dflash",
+    } <= names
     for path in files:
         validate(str(path))  # raises on any invalid file
         first = path.read_text().splitlines()[0]
@@ -44,7 +49,12 @@ def test_shipped_dir_is_the_repo_recipes_folder():
 def test_published_qwen3_example_is_faithful():
     r = load_recipe(REPO / "recipes" / "qwen3-8b-dflash.yaml")
     assert r.drafter.kind == "dflash"
-    assert (r.drafter.block_size, r.drafter.max_anchors, r.drafter.draft_vocab_size, r.drafter.num_layers) == (8, 3072, 8192, 5)
+    assert (
+        r.drafter.block_size,
+        r.drafter.max_anchors,
+        r.drafter.draft_vocab_size,
+        r.drafter.num_layers,
+    ) == (8, 3072, 8192, 5)
     assert r.extraction.layer_ids[:3] == [2, 18, 33]
     assert (r.training.epochs, r.training.lr, r.training.nproc) == (5, 1e-4, 2)
 
@@ -82,32 +92,132 @@ MALFORMED = [
     ("unknown-top-key", lambda d: _set(d, "extration", {"dtype": "float32"}), [], "extration", "unknown key"),
     ("unknown-nested-key", lambda d: _set(d, "drafter.blocksize", 8), [], "drafter.blocksize", "unknown key"),
     ("wrong-type", lambda d: _set(d, "training.epochs", "three"), [], "training.epochs", "integer"),
-    ("block-size-below-2", lambda d: _set(d, "drafter.block_size", 1), [], "drafter.block_size", "greater than or equal to 2"),
-    ("layer-out-of-range", lambda d: _set(d, "extraction.layer_ids", [2, 15, 31]), [], "extraction.layer_ids", "out of range"),
-    ("layer-duplicates", lambda d: _set(d, "extraction.layer_ids", [2, 15, 15, 30]), [], "extraction.layer_ids", "duplicates"),
-    ("layer-unsorted", lambda d: _set(d, "extraction.layer_ids", [15, 2, 30]), [], "extraction.layer_ids", "sorted"),
-    ("layer-negative", lambda d: _set(d, "extraction.layer_ids", [-1, 2, 30]), [], "extraction.layer_ids", "negative"),
-    ("vocab-too-large", lambda d: _set(d, "drafter.draft_vocab_size", 60000), [], "drafter.draft_vocab_size", "larger than the target vocabulary"),
+    (
+        "block-size-below-2",
+        lambda d: _set(d, "drafter.block_size", 1),
+        [],
+        "drafter.block_size",
+        "greater than or equal to 2",
+    ),
+    (
+        "layer-out-of-range",
+        lambda d: _set(d, "extraction.layer_ids", [2, 15, 31]),
+        [],
+        "extraction.layer_ids",
+        "out of range",
+    ),
+    (
+        "layer-duplicates",
+        lambda d: _set(d, "extraction.layer_ids", [2, 15, 15, 30]),
+        [],
+        "extraction.layer_ids",
+        "duplicates",
+    ),
+    (
+        "layer-unsorted",
+        lambda d: _set(d, "extraction.layer_ids", [15, 2, 30]),
+        [],
+        "extraction.layer_ids",
+        "sorted",
+    ),
+    (
+        "layer-negative",
+        lambda d: _set(d, "extraction.layer_ids", [-1, 2, 30]),
+        [],
+        "extraction.layer_ids",
+        "negative",
+    ),
+    (
+        "vocab-too-large",
+        lambda d: _set(d, "drafter.draft_vocab_size", 60000),
+        [],
+        "drafter.draft_vocab_size",
+        "larger than the target vocabulary",
+    ),
     ("unknown-drafter", lambda d: _set(d, "drafter.kind", "medusa"), [], "drafter", "dflash"),
     ("missing-target", lambda d: _drop(d, "target"), [], "target", "Field required"),
-    ("source-without-path", lambda d: _set(d, "data.sources", [{"kind": "sharegpt"}]), [], "data.sources.0", "needs `path`"),
+    (
+        "source-without-path",
+        lambda d: _set(d, "data.sources", [{"kind": "sharegpt"}]),
+        [],
+        "data.sources.0",
+        "needs `path`",
+    ),
     ("no-sources", lambda d: _set(d, "data.sources", []), [], "data.sources", "at least 1"),
     ("bad-dtype", lambda d: _set(d, "extraction.dtype", "fp8"), [], "extraction.dtype", "bfloat16"),
     ("bad-mode", lambda d: _set(d, "extraction.mode", "sometimes"), [], "extraction.mode", "offline"),
     ("negative-lr", lambda d: _set(d, "training.lr", -0.1), [], "training.lr", "greater than 0"),
-    ("sample-too-long-for-server", lambda d: _set(d, "data.max_length", 1024), [], "data.max_length", "max_model_len"),
+    (
+        "sample-too-long-for-server",
+        lambda d: _set(d, "data.max_length", 1024),
+        [],
+        "data.max_length",
+        "max_model_len",
+    ),
     ("multinode-without-rendezvous", lambda d: _set(d, "training.nnodes", 2), [], "rdzv_endpoint", "nnodes"),
-    ("context-not-extracted", lambda d: _set(_set(d, "extraction.layer_ids", [2, 15, 30]), "drafter.context_layer_ids", [3]), [], "drafter.context_layer_ids", "subset"),
+    (
+        "context-not-extracted",
+        lambda d: _set(_set(d, "extraction.layer_ids", [2, 15, 30]), "drafter.context_layer_ids", [3]),
+        [],
+        "drafter.context_layer_ids",
+        "subset",
+    ),
     ("unsafe-name", lambda d: _set(d, "name", "../evil"), [], "name", "pattern"),
-    ("mask-token-outside-vocab", lambda d: _set(d, "drafter.mask_token_id", 49152), [], "drafter.mask_token_id", "outside the target vocabulary"),
-    ("eagle3-with-dflash-field", lambda d: _set(d, "drafter", {"kind": "eagle3", "block_size": 8}), [], "drafter.block_size", "unknown key"),
-    ("override-bad-value", lambda d: d, ["drafter.block_size=1"], "drafter.block_size", "greater than or equal to 2"),
+    (
+        "mask-token-outside-vocab",
+        lambda d: _set(d, "drafter.mask_token_id", 49152),
+        [],
+        "drafter.mask_token_id",
+        "outside the target vocabulary",
+    ),
+    (
+        "eagle3-with-dflash-field",
+        lambda d: _set(d, "drafter", {"kind": "eagle3", "block_size": 8}),
+        [],
+        "drafter.block_size",
+        "unknown key",
+    ),
+    (
+        "override-bad-value",
+        lambda d: d,
+        ["drafter.block_size=1"],
+        "drafter.block_size",
+        "greater than or equal to 2",
+    ),
     ("override-unknown-key", lambda d: d, ["drafter.nope=1"], "drafter.nope", "unknown key"),
     ("override-not-key-value", lambda d: d, ["drafter.block_size"], "drafter.block_size", "KEY=VALUE"),
-    ("self-generated-unknown-topic", lambda d: _set(d, "data.sources", [{"kind": "self_generated", "self_generated": {"topics": ["coding", "cooking"]}}]), [], "data.sources.0.self_generated.topics.1", "'coding'"),
-    ("self-generated-zero-temperature", lambda d: _set(d, "data.sources", [{"kind": "self_generated", "self_generated": {"temperature": 0}}]), [], "data.sources.0.self_generated.temperature", "greater than 0"),
-    ("self-generated-settings-on-other-kind", lambda d: _set(d, "data.sources", [{"kind": "chitchat", "self_generated": {}}]), [], "data.sources.0", "kind: self_generated"),
-    ("logit-loss-without-last-layer", lambda d: _set(_set(d, "extraction.layer_ids", [2, 15, 27]), "training.loss", "target_logits"), [], "extraction.layer_ids", "last layer 30"),
+    (
+        "self-generated-unknown-topic",
+        lambda d: _set(
+            d,
+            "data.sources",
+            [{"kind": "self_generated", "self_generated": {"topics": ["coding", "cooking"]}}],
+        ),
+        [],
+        "data.sources.0.self_generated.topics.1",
+        "'coding'",
+    ),
+    (
+        "self-generated-zero-temperature",
+        lambda d: _set(d, "data.sources", [{"kind": "self_generated", "self_generated": {"temperature": 0}}]),
+        [],
+        "data.sources.0.self_generated.temperature",
+        "greater than 0",
+    ),
+    (
+        "self-generated-settings-on-other-kind",
+        lambda d: _set(d, "data.sources", [{"kind": "chitchat", "self_generated": {}}]),
+        [],
+        "data.sources.0",
+        "kind: self_generated",
+    ),
+    (
+        "logit-loss-without-last-layer",
+        lambda d: _set(_set(d, "extraction.layer_ids", [2, 15, 27]), "training.loss", "target_logits"),
+        [],
+        "extraction.layer_ids",
+        "last layer 30",
+    ),
 ]
 
 
@@ -159,11 +269,15 @@ def test_default_layer_ids_follow_speculators_convention(smollm2_dir, tmp_path):
     assert read_target_info(str(smollm2_dir)).default_layer_ids() == [2, 15, 27, 30]
     qwen_like = tmp_path / "qwen"
     qwen_like.mkdir()
-    (qwen_like / "config.json").write_text(json.dumps({"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936}))
+    (qwen_like / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936})
+    )
     assert read_target_info(str(qwen_like)).default_layer_ids() == [2, 18, 33, 36]
     gemma_like = tmp_path / "gemma"
     gemma_like.mkdir()
-    (gemma_like / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 60, "hidden_size": 5376, "vocab_size": 262144}}))
+    (gemma_like / "config.json").write_text(
+        json.dumps({"text_config": {"num_hidden_layers": 60, "hidden_size": 5376, "vocab_size": 262144}})
+    )
     assert read_target_info(str(gemma_like)).default_layer_ids() == [2, 30, 57, 60]
 
 

@@ -34,7 +34,7 @@ def test_smollm2_target_is_a_real_pretrained_model(smollm2_dir):
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
     ids = tok.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :])
 
 
 def test_s3_fixture_is_a_real_http_endpoint(s3):

@@ -26,16 +26,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="dotted override validated like the file, e.g. --set drafter.block_size=16 (repeatable)",
     )
 
 
 def add_storage_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--storage-options", dest="storage_options", default=None, metavar="JSON",
+        "--storage-options",
+        dest="storage_options",
+        default=None,
+        metavar="JSON",
         help="fsspec options of the store as a JSON object, e.g. "
-        "'{\"client_kwargs\": {\"endpoint_url\": \"http://minio:9000\"}}'; "
+        '\'{"client_kwargs": {"endpoint_url": "http://minio:9000"}}\'; '
         f"default: ${STORAGE_OPTIONS_ENV} (use the variable for credentials: argv is visible to `ps`)",
     )
 

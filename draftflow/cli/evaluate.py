@@ -9,14 +9,23 @@ from draftflow.cli import add_overrides
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="acceptance of an exported drafter: contract check, offline simulator, vLLM")
+    p = sub.add_parser(
+        "evaluate", help="acceptance of an exported drafter: contract check, offline simulator, vLLM"
+    )
     p.add_argument("checkpoint", help="the exported speculators folder (config.json + model.safetensors)")
     p.add_argument("--recipe", required=True, help="the recipe it was trained with (eval prompts, settings)")
-    p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
-                   help="also measure in vLLM (starts servers from vllm.launch); default: evaluation.in_vllm")
+    p.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure in vLLM (starts servers from vllm.launch); default: evaluation.in_vllm",
+    )
     p.add_argument("--out", default=None, help="report folder (default: the run's eval/ beside export/)")
-    p.add_argument("--ignore-contract", action="store_true",
-                   help="evaluate even if the checkpoint does not match its provenance (problems still reported)")
+    p.add_argument(
+        "--ignore-contract",
+        action="store_true",
+        help="evaluate even if the checkpoint does not match its provenance (problems still reported)",
+    )
     add_overrides(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -24,12 +33,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_evaluate(args) -> int:
     from draftflow.evaluation.contract import ContractError
     from draftflow.evaluation.offline import LosslessError
-    from draftflow.evaluation.run import AgreementError, EvaluationError, default_eval_dir, evaluate_checkpoint
+    from draftflow.evaluation.run import (
+        AgreementError,
+        EvaluationError,
+        default_eval_dir,
+        evaluate_checkpoint,
+    )
 
     out = args.out or default_eval_dir(args.checkpoint)
     try:
-        evaluation = evaluate_checkpoint(args.checkpoint, args.recipe, overrides=args.overrides, in_vllm=args.vllm,
-                                         out_dir=out, strict_contract=not args.ignore_contract)
+        evaluation = evaluate_checkpoint(
+            args.checkpoint,
+            args.recipe,
+            overrides=args.overrides,
+            in_vllm=args.vllm,
+            out_dir=out,
+            strict_contract=not args.ignore_contract,
+        )
     except (ContractError, AgreementError, LosslessError, EvaluationError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -26,8 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe")
     add_overrides(p)
     add_storage_options(p)
-    p.add_argument("--no-verify", action="store_true",
-                   help="check existing shards by size only instead of re-hashing them (faster on big stores)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="check existing shards by size only instead of re-hashing them (faster on big stores)",
+    )
     p.set_defaults(func=cmd_extract)
 
 
@@ -57,8 +60,13 @@ class ProgressBar:
         from draftflow.progress import Progress, RichBar
 
         if self.progress is None:
-            self.progress = Progress("extract", p.samples_planned, unit="samples",
-                                     sinks=[RichBar(self.stream)], interval_s=self.interval_s)
+            self.progress = Progress(
+                "extract",
+                p.samples_planned,
+                unit="samples",
+                sinks=[RichBar(self.stream)],
+                interval_s=self.interval_s,
+            )
         self.progress.update(done=p.samples_done, failed=p.samples_failed)
         self.last_draw = time.monotonic()
 
@@ -100,8 +108,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
     try:
         with reporting(RichBar()):  # preparation's reply regeneration: a bar of its own
             summary = run_extraction(
-                plan, storage_options=storage_options(args), api_key=vllm_api_key_from_env(),
-                progress=bar, verify=not args.no_verify,
+                plan,
+                storage_options=storage_options(args),
+                api_key=vllm_api_key_from_env(),
+                progress=bar,
+                verify=not args.no_verify,
             )
     except (VLLMError, ServerStartError, RegenerationError) as err:
         bar.finish()

@@ -62,12 +62,16 @@ def cmd_validate(args) -> int:
             failed += 1
             continue
         if result.skipped:
-            print(f"ok   {name}: schema valid; target config not readable here "
-                  f"({result.recipe.target.model}), so these checks were SKIPPED, not passed: "
-                  + "; ".join(result.skipped))
+            print(
+                f"ok   {name}: schema valid; target config not readable here "
+                f"({result.recipe.target.model}), so these checks were SKIPPED, not passed: "
+                + "; ".join(result.skipped)
+            )
         else:
-            print(f"ok   {name}: schema and target checks passed "
-                  f"(layers {result.layer_ids} of {result.target.num_layers})")
+            print(
+                f"ok   {name}: schema and target checks passed "
+                f"(layers {result.layer_ids} of {result.target.num_layers})"
+            )
     return 1 if failed else 0
 
 

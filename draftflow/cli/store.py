@@ -33,8 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_storage_options(p)
         p.set_defaults(func=_COMMANDS[name])
         if name == "reconcile":
-            p.add_argument("--samples-per-shard", type=int, default=None,
-                           help="without --recipe: default inferred from the manifest")
+            p.add_argument(
+                "--samples-per-shard",
+                type=int,
+                default=None,
+                help="without --recipe: default inferred from the manifest",
+            )
             p.add_argument("--no-verify", action="store_true", help="check shard sizes only, do not re-hash")
         if name == "gc":
             p.add_argument("--grace-s", type=float, default=None, help="minimum age of what is deleted")
@@ -90,11 +94,15 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     if plan is not None:
         per_shard = plan.recipe.extraction.samples_per_shard
     else:
-        per_shard = args.samples_per_shard or infer_samples_per_shard(manifest, [e.sample_id for e in expected])
+        per_shard = args.samples_per_shard or infer_samples_per_shard(
+            manifest, [e.sample_id for e in expected]
+        )
     rec = reconcile(store, expected, per_shard, manifest=manifest, verify=not args.no_verify)
     print(f"data folder  {store.layout.root} ({per_shard} samples per shard)")
-    print(f"samples      {len(rec.present)} present, {len(rec.missing)} missing, {len(rec.failed)} failed, "
-          f"{len(rec.corrupt)} corrupt, {len(rec.unexpected)} unexpected")
+    print(
+        f"samples      {len(rec.present)} present, {len(rec.missing)} missing, {len(rec.failed)} failed, "
+        f"{len(rec.corrupt)} corrupt, {len(rec.unexpected)} unexpected"
+    )
     print(f"shards       {len(rec.complete_shards)} complete, {len(rec.to_generate)} to (re)generate")
     for shard in rec.to_generate:
         print(f"  {shard.shard_id} (attempt {shard.attempt}): {'; '.join(shard.reasons)}")
@@ -113,11 +121,13 @@ def infer_samples_per_shard(manifest, expected_ids: list[str]) -> int:
         raise RecipeError("the manifest is empty: give --samples-per-shard or --recipe")
     size = max(counts.values())
     listed: dict[str, set[str]] = {}
-    for shard_id, sample_id in zip(manifest["shard_id"].to_pylist(), manifest["sample_id"].to_pylist(), strict=True):
+    for shard_id, sample_id in zip(
+        manifest["shard_id"].to_pylist(), manifest["sample_id"].to_pylist(), strict=True
+    ):
         listed.setdefault(shard_id, set()).add(sample_id)
     for shard_id, ids in listed.items():
         k = int(shard_id)
-        if ids != set(expected_ids[k * size:(k + 1) * size]):
+        if ids != set(expected_ids[k * size : (k + 1) * size]):
             raise RecipeError(
                 f"cannot infer samples per shard from the manifest (shard {shard_id} does not hold positions "
                 f"{k * size}..{(k + 1) * size - 1}): give --samples-per-shard or --recipe"
@@ -140,17 +150,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     store, _ = _open(args)
     if args.grace_s is not None and args.grace_s < MIN_GC_GRACE_S:
-        print(f"error: --grace-s {args.grace_s:.0f} is below the minimum {MIN_GC_GRACE_S:.0f}s: shards uploaded "
-              "but not yet committed, or read by a running trainer, could be deleted", file=sys.stderr)
+        print(
+            f"error: --grace-s {args.grace_s:.0f} is below the minimum {MIN_GC_GRACE_S:.0f}s: shards uploaded "
+            "but not yet committed, or read by a running trainer, could be deleted",
+            file=sys.stderr,
+        )
         return 2
     kwargs = {} if args.grace_s is None else {"grace_s": args.grace_s}
     report = gc(store, dry_run=args.dry_run, **kwargs)
     verb = "would delete" if args.dry_run else "deleted"
     for url in report.orphan_shards + report.temp_files:
         print(f"{verb} {url}")
-    print(f"{verb} {len(report.orphan_shards)} orphan shards and {len(report.temp_files)} temp files; "
-          f"kept {report.young_orphans_kept} younger orphans (maybe still being committed)")
+    print(
+        f"{verb} {len(report.orphan_shards)} orphan shards and {len(report.temp_files)} temp files; "
+        f"kept {report.young_orphans_kept} younger orphans (maybe still being committed)"
+    )
     return 0
 
 
-_COMMANDS = {"ls": cmd_ls, "verify": cmd_verify, "reconcile": cmd_reconcile, "compact": cmd_compact, "gc": cmd_gc}
+_COMMANDS = {
+    "ls": cmd_ls,
+    "verify": cmd_verify,
+    "reconcile": cmd_reconcile,
+    "compact": cmd_compact,
+    "gc": cmd_gc,
+}

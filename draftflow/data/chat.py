@@ -86,7 +86,9 @@ class ChatEncoder:
         if not isinstance(template, str):
             raise ValueError("named chat templates (dict) are not supported; set target.chat_template")
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("a fast tokenizer (tokenizer.json) is needed: loss masks use its character offsets")
+            raise ValueError(
+                "a fast tokenizer (tokenizer.json) is needed: loss masks use its character offsets"
+            )
         stops = set(stop_token_ids or ())
         if tokenizer.eos_token_id is not None:
             stops.add(int(tokenizer.eos_token_id))
@@ -98,10 +100,16 @@ class ChatEncoder:
         # conversations are dropped rather than silently mis-tokenised.
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.control_strings = frozenset(
-            s for s in (
+            s
+            for s in (
                 list(getattr(tokenizer, "all_special_tokens", []))
-                + [t.content for t in added.values() if getattr(t, "special", False) and t.content in template]
-            ) if s
+                + [
+                    t.content
+                    for t in added.values()
+                    if getattr(t, "special", False) and t.content in template
+                ]
+            )
+            if s
         )
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
@@ -118,7 +126,9 @@ class ChatEncoder:
         # add_special_tokens=False like apply_chat_template: the template writes BOS itself.
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
-    def encode(self, messages: Conversation, max_length: int | None = None) -> tuple[Encoded | None, str | None]:
+    def encode(
+        self, messages: Conversation, max_length: int | None = None
+    ) -> tuple[Encoded | None, str | None]:
         """(Encoded, None), or (None, drop reason) for a conversation that cannot be used."""
         if any(s in m["content"] for m in messages for s in self.control_strings):
             return None, "control_token_in_content"

@@ -49,7 +49,7 @@ def shingles(text: str, n: int = 3) -> set[str]:
     words = normalise(text).split()
     if len(words) < n:
         return {" ".join(words)} if words else set()
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def minhash(items: Iterable[str]) -> tuple[int, ...]:
@@ -70,7 +70,7 @@ def is_degenerate(text: str) -> bool:
         return True
     words = normalise(text).split()
     if len(words) >= 12:
-        grams = [tuple(words[i:i + 3]) for i in range(len(words) - 2)]
+        grams = [tuple(words[i : i + 3]) for i in range(len(words) - 2)]
         if len(set(grams)) / len(grams) < 0.5:
             return True
     stripped = "".join(text.split())
@@ -110,7 +110,7 @@ class PromptCleaner:
         if key in self._exact:
             return DUPLICATE
         signature = minhash(shingles(text))
-        bands = [(band, signature[band * _ROWS:(band + 1) * _ROWS]) for band in range(_BANDS)]
+        bands = [(band, signature[band * _ROWS : (band + 1) * _ROWS]) for band in range(_BANDS)]
         candidates = {i for band in bands for i in self._buckets.get(band, ())}
         if any(estimated_jaccard(signature, self._signatures[i]) >= self.threshold for i in candidates):
             return NEAR_DUPLICATE

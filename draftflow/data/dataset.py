@@ -35,16 +35,18 @@ log = logging.getLogger(__name__)
 
 TRAIN, EVAL = "train", "eval"
 
-SAMPLES_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("split", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
-    ("num_tokens", pa.int32()),
-    ("num_loss_tokens", pa.int32()),
-    ("source", pa.string()),
-    ("messages", pa.string()),
-])
+SAMPLES_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("split", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()),
+        ("num_loss_tokens", pa.int32()),
+        ("source", pa.string()),
+        ("messages", pa.string()),
+    ]
+)
 TOKEN_COUNTS_SCHEMA = pa.schema([("token_id", pa.int32()), ("count", pa.int64())])
 _ROWS_PER_BATCH = 8192  # x max_length tokens must stay below 2**31 (int32 list offsets)
 
@@ -71,8 +73,9 @@ def _fs(url: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSyst
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
 
 
-def atomic_write(url: str, storage_options: dict | None, write: Callable[[Any], None], *,
-                 exclusive: bool = False) -> None:
+def atomic_write(
+    url: str, storage_options: dict | None, write: Callable[[Any], None], *, exclusive: bool = False
+) -> None:
     """Write through ``write(file)`` to a temporary sibling, then move it onto ``url``.
 
     Local: the move is a rename within the folder. Object stores: the final key is created
@@ -117,8 +120,14 @@ def parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def publish_prepared(layout: DataLayout, samples: pa.Table, counts: pa.Table, report: dict,
-                     storage_options: dict | None, wait_s: float = 60.0) -> tuple[dict, bool]:
+def publish_prepared(
+    layout: DataLayout,
+    samples: pa.Table,
+    counts: pa.Table,
+    report: dict,
+    storage_options: dict | None,
+    wait_s: float = 60.0,
+) -> tuple[dict, bool]:
     """Write the prepared folder once; returns (the folder's report, whether this call wrote it).
 
     Each file is created exclusively, samples first and the report (with both tables' sha256)
@@ -128,19 +137,26 @@ def publish_prepared(layout: DataLayout, samples: pa.Table, counts: pa.Table, re
     ``wait_s`` with no report beside it, left by a preparation that died, is replaced.
     """
     blobs = {layout.samples: parquet_bytes(samples), layout.token_counts: parquet_bytes(counts)}
-    files = {url.rsplit("/", 1)[1]: {"sha256": hashlib.sha256(b).hexdigest(), "size": len(b)} for url, b in blobs.items()}
+    files = {
+        url.rsplit("/", 1)[1]: {"sha256": hashlib.sha256(b).hexdigest(), "size": len(b)}
+        for url, b in blobs.items()
+    }
     report = {**report, "files": files}
     report_blob = json.dumps(report, indent=2, sort_keys=True).encode("utf-8")
     for attempt in range(2):
         try:
             for url, blob in blobs.items():
                 atomic_write(url, storage_options, lambda f, b=blob: f.write(b), exclusive=True)
-            atomic_write(layout.prepare_report, storage_options, lambda f: f.write(report_blob), exclusive=True)
+            atomic_write(
+                layout.prepare_report, storage_options, lambda f: f.write(report_blob), exclusive=True
+            )
             return report, True
         except FileExistsError:
             if _await_report(layout, storage_options, wait_s) or attempt:
                 return read_report(layout, storage_options), False
-            log.warning("%s: removing the files of a preparation that died before its report", layout.prepared_dir)
+            log.warning(
+                "%s: removing the files of a preparation that died before its report", layout.prepared_dir
+            )
             for url in blobs:
                 fs, path = _fs(url, storage_options)
                 if fs.exists(path):
@@ -217,7 +233,9 @@ def load_prepared(
     if split not in (None, TRAIN, EVAL):
         raise ValueError(f"split must be {TRAIN!r}, {EVAL!r} or None, not {split!r}")
     if not is_prepared(layout, storage_options):
-        raise FileNotFoundError(f"no complete prepared data in {layout.prepared_dir} (never prepared, or interrupted)")
+        raise FileNotFoundError(
+            f"no complete prepared data in {layout.prepared_dir} (never prepared, or interrupted)"
+        )
     _verify(layout.samples, read_report(layout, storage_options), storage_options)
     fs, path = _fs(layout.samples, storage_options)
     filters = [("split", "=", split)] if split else None
@@ -231,7 +249,9 @@ def load_token_counts(layout: DataLayout, storage_options: dict | None = None) -
     return dict(zip(table["token_id"].to_pylist(), table["count"].to_pylist()))
 
 
-def eval_prompts(layout: DataLayout, limit: int | None = None, storage_options: dict | None = None) -> list[EvalPrompt]:
+def eval_prompts(
+    layout: DataLayout, limit: int | None = None, storage_options: dict | None = None
+) -> list[EvalPrompt]:
     """Prompts of the held-out eval split (messages up to the first assistant turn), in split order."""
     table = load_prepared(layout, EVAL, storage_options).select(["sample_id", "messages"])
     rows = table.to_pylist()[:limit] if limit is not None else table.to_pylist()
@@ -254,7 +274,7 @@ def samples_table(rows: dict[str, list]) -> pa.Table:
     for lo in range(0, len(rows["sample_id"]), _ROWS_PER_BATCH):
         columns = []
         for column in SAMPLES_SCHEMA:
-            values = rows[column.name][lo: lo + _ROWS_PER_BATCH]
+            values = rows[column.name][lo : lo + _ROWS_PER_BATCH]
             if pa.types.is_list(column.type):
                 offsets = np.zeros(len(values) + 1, dtype=np.int32)
                 np.cumsum([len(v) for v in values], out=offsets[1:])
@@ -264,4 +284,3 @@ def samples_table(rows: dict[str, list]) -> pa.Table:
                 columns.append(pa.array(values, column.type))
         batches.append(pa.RecordBatch.from_arrays(columns, schema=SAMPLES_SCHEMA))
     return pa.Table.from_batches(batches, schema=SAMPLES_SCHEMA)
-

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from draftflow.async_run import run_coroutine
 from draftflow.data.chat import ChatEncoder, load_chat_encoder
 from draftflow.data.dataset import (  # loaders re-exported (__all__): one import for callers
     EVAL,
@@ -57,9 +58,13 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     read_report,
     samples_table,
 )
-from draftflow.async_run import run_coroutine
 from draftflow.data.regenerate import Generate, regenerate_conversations
-from draftflow.data.self_generated import GenerationResult, ProgressCallback, SampleText, generate_conversations
+from draftflow.data.self_generated import (
+    GenerationResult,
+    ProgressCallback,
+    SampleText,
+    generate_conversations,
+)
 from draftflow.data.sources import Conversation, read_source, source_label
 from draftflow.paths import DataLayout
 from draftflow.recipe.fingerprint import DATA_FORMAT_VERSION
@@ -69,10 +74,26 @@ from draftflow.recipe.schema import DataSection, Recipe
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "EVAL", "SAMPLES_SCHEMA", "TOKEN_COUNTS_SCHEMA", "TRAIN", "Candidate", "CorruptPreparedData", "EvalPrompt",
+    "EVAL",
+    "SAMPLES_SCHEMA",
+    "TOKEN_COUNTS_SCHEMA",
+    "TRAIN",
+    "Candidate",
+    "CorruptPreparedData",
+    "EvalPrompt",
     "Prepared",
-    "aprepare", "eval_prompts", "is_prepared", "load_prepared", "load_token_counts", "loss_token_counts",
-    "prepare", "prepare_recipe", "prompt_messages", "read_report", "sample_id", "select_conversations",
+    "aprepare",
+    "eval_prompts",
+    "is_prepared",
+    "load_prepared",
+    "load_token_counts",
+    "loss_token_counts",
+    "prepare",
+    "prepare_recipe",
+    "prompt_messages",
+    "read_report",
+    "sample_id",
+    "select_conversations",
 ]
 
 
@@ -110,8 +131,14 @@ class Prepared:
 # ---------------------------------------------------------------------------------------
 
 
-def _keyed(source_iter: Iterator[Conversation], label: str, seed: int, seen: set[str], dropped: Counter,
-           usable: Counter) -> Iterator[tuple[str, Candidate]]:
+def _keyed(
+    source_iter: Iterator[Conversation],
+    label: str,
+    seed: int,
+    seen: set[str],
+    dropped: Counter,
+    usable: Counter,
+) -> Iterator[tuple[str, Candidate]]:
     """(order key, candidate) for each conversation of one source; duplicates counted and skipped."""
     for messages in source_iter:
         usable["usable"] += 1
@@ -139,8 +166,10 @@ def select_conversations(
         usable: Counter = Counter()
         if source.kind == "self_generated":
             if not generated or index not in generated:
-                raise ValueError(f"data.sources[{index}]: a self_generated source is written by the target "
-                                 "during preparation; no sampler was given")
+                raise ValueError(
+                    f"data.sources[{index}]: a self_generated source is written by the target "
+                    "during preparation; no sampler was given"
+                )
             dropped.update(generated[index].dropped)
             conversations: Iterator[Conversation] = iter(generated[index].conversations)
         else:
@@ -160,7 +189,13 @@ def select_conversations(
         }
         if generated and index in generated:
             stats[label]["generation"] = generated[index].report()
-        log.info("source %s: %d usable, %d selected, dropped %s", label, usable["usable"], len(chosen), dict(dropped))
+        log.info(
+            "source %s: %d usable, %d selected, dropped %s",
+            label,
+            usable["usable"],
+            len(chosen),
+            dict(dropped),
+        )
     pool.sort(key=lambda kv: _order_key(data.seed, kv[1].sample_id, "mix:"))
     if data.num_samples is not None:
         pool = pool[: data.num_samples]
@@ -221,21 +256,36 @@ async def aprepare(
     if data.regenerate_responses and redo:
         log.info("regenerating %d conversations (concurrency %d)", len(redo), data.regenerate_concurrency)
         redone, regenerate_errors = await regenerate_conversations(
-            [candidates[k].messages for k in redo], generate, data.regenerate_max_tokens,
-            data.regenerate_concurrency, regenerate_timeout_s,
+            [candidates[k].messages for k in redo],
+            generate,
+            data.regenerate_max_tokens,
+            data.regenerate_concurrency,
+            regenerate_timeout_s,
         )
         for k, outcome in zip(redo, redone):
             outcomes[k] = outcome
     report, wrote = await asyncio.to_thread(
-        _encode_and_write, data, layout, encoder, candidates, outcomes, source_stats, regenerate_errors,
+        _encode_and_write,
+        data,
+        layout,
+        encoder,
+        candidates,
+        outcomes,
+        source_stats,
+        regenerate_errors,
         storage_options,
     )
     return Prepared(layout, report, reused=not wrote)
 
 
 async def _self_generate(
-    data: DataSection, layout: DataLayout, encoder: ChatEncoder, sample: SampleText | None,
-    generate: Generate | None, local_home: str | None, progress: ProgressCallback | None,
+    data: DataSection,
+    layout: DataLayout,
+    encoder: ChatEncoder,
+    sample: SampleText | None,
+    generate: Generate | None,
+    local_home: str | None,
+    progress: ProgressCallback | None,
 ) -> dict[int, GenerationResult]:
     """The conversations of every self-generated source, by source index (resumable)."""
     out: dict[int, GenerationResult] = {}
@@ -245,11 +295,21 @@ async def _self_generate(
         if sample is None or generate is None:
             raise ValueError(f"data.sources[{index}] is self_generated but no vLLM sampler was given")
         settings = source.generation
-        log.info("self-generating %d conversations for data.sources[%d] (concurrency %d)",
-                 settings.num_prompts, index, data.regenerate_concurrency)
+        log.info(
+            "self-generating %d conversations for data.sources[%d] (concurrency %d)",
+            settings.num_prompts,
+            index,
+            data.regenerate_concurrency,
+        )
         out[index] = await generate_conversations(
-            settings, encoder, sample, generate, seed=data.seed, reply_max_tokens=data.regenerate_max_tokens,
-            concurrency=data.regenerate_concurrency, progress=progress,
+            settings,
+            encoder,
+            sample,
+            generate,
+            seed=data.seed,
+            reply_max_tokens=data.regenerate_max_tokens,
+            concurrency=data.regenerate_concurrency,
+            progress=progress,
             partial_path=layout.generation_partial(index, local_home or str(default_home())),
         )
         log.info("data.sources[%d] self-generated: %s", index, out[index].report())
@@ -268,10 +328,18 @@ def prepare(
     local_home: str | None = None,
 ) -> Prepared:
     """Blocking :func:`aprepare` (from inside a running loop it runs on a thread of its own)."""
-    return run_coroutine(aprepare(
-        data, layout, encoder, generate=generate, storage_options=storage_options,
-        regenerate_timeout_s=regenerate_timeout_s, sample=sample, local_home=local_home,
-    ))
+    return run_coroutine(
+        aprepare(
+            data,
+            layout,
+            encoder,
+            generate=generate,
+            storage_options=storage_options,
+            regenerate_timeout_s=regenerate_timeout_s,
+            sample=sample,
+            local_home=local_home,
+        )
+    )
 
 
 def _encode_and_write(
@@ -295,19 +363,25 @@ def _encode_and_write(
         if encoded is None:
             tally.drop(candidate, reason)
             continue
-        totals.update(truncated=encoded.truncated, context_only=encoded.context_only_turns,
-                      retokenized=encoded.retokenized_prompts)
+        totals.update(
+            truncated=encoded.truncated,
+            context_only=encoded.context_only_turns,
+            retokenized=encoded.retokenized_prompts,
+        )
         stats = tally.per_source.setdefault(candidate.source, Counter())
         stats[f"kept:{candidate.split}"] += 1
         stats["truncated"] += encoded.truncated
         # Token columns are kept as compact numpy arrays (5 bytes a token instead of ~70 as
         # Python ints): a 100k-sample, 4k-token set must fit in memory.
         for name, value in (
-            ("sample_id", candidate.sample_id), ("split", candidate.split),
+            ("sample_id", candidate.sample_id),
+            ("split", candidate.split),
             ("input_ids", np.asarray(encoded.input_ids, dtype=np.int32)),
             ("loss_mask", np.asarray(encoded.loss_mask, dtype=np.uint8)),
-            ("num_tokens", len(encoded.input_ids)), ("num_loss_tokens", encoded.num_loss_tokens),
-            ("source", candidate.source), ("messages", json.dumps(messages, ensure_ascii=False)),
+            ("num_tokens", len(encoded.input_ids)),
+            ("num_loss_tokens", encoded.num_loss_tokens),
+            ("source", candidate.source),
+            ("messages", json.dumps(messages, ensure_ascii=False)),
         ):
             rows[name].append(value)
 
@@ -318,7 +392,9 @@ def _encode_and_write(
             f"dropped {dict(tally.dropped)}): add data or lower data.eval_samples"
         )
     train_rows = [i for i, s in enumerate(rows["split"]) if s == TRAIN]
-    counts = loss_token_counts([rows["input_ids"][i] for i in train_rows], [rows["loss_mask"][i] for i in train_rows])
+    counts = loss_token_counts(
+        [rows["input_ids"][i] for i in train_rows], [rows["loss_mask"][i] for i in train_rows]
+    )
 
     for label, stats in source_stats.items():
         extra = tally.per_source.get(label, Counter())
@@ -348,12 +424,19 @@ def _encode_and_write(
         "sources": source_stats,
         "regenerate_errors": regenerate_errors,
     }
-    counts_table = pa.table({"token_id": list(counts), "count": list(counts.values())}, schema=TOKEN_COUNTS_SCHEMA)
+    counts_table = pa.table(
+        {"token_id": list(counts), "count": list(counts.values())}, schema=TOKEN_COUNTS_SCHEMA
+    )
     # Written once: another preparation on this fingerprint may have finished meanwhile (its
     # extraction reads those files), then its report is returned and nothing is rewritten.
     report, wrote = publish_prepared(layout, samples_table(rows), counts_table, report, storage_options)
     if wrote:
-        log.info("prepared %s train / %s eval samples in %s", split_counts[TRAIN], split_counts[EVAL], layout.prepared_dir)
+        log.info(
+            "prepared %s train / %s eval samples in %s",
+            split_counts[TRAIN],
+            split_counts[EVAL],
+            layout.prepared_dir,
+        )
     else:
         log.warning("%s was prepared by another run meanwhile: using its files", layout.prepared_dir)
     return report, wrote
@@ -372,6 +455,10 @@ def prepare_recipe(
         return Prepared(layout, read_report(layout, storage_options), reused=True)
     encoder = load_chat_encoder(recipe.target, template_kwargs)
     return prepare(
-        recipe.data, layout, encoder, generate=generate, storage_options=storage_options,
+        recipe.data,
+        layout,
+        encoder,
+        generate=generate,
+        storage_options=storage_options,
         regenerate_timeout_s=recipe.extraction.request_timeout_s,
     )

@@ -41,7 +41,9 @@ async def regenerate_conversations(
     Returns ((conversation, None) or (None, reason)) per input, in order, and a few error
     messages for the report.
     """
-    results: list[tuple[Conversation | None, str | None]] = [(None, "regenerate_not_run")] * len(conversations)
+    results: list[tuple[Conversation | None, str | None]] = [(None, "regenerate_not_run")] * len(
+        conversations
+    )
     errors: list[str] = []
     pending = iter(range(len(conversations)))
     streak = [0]  # failures since the last successful reply, across all workers
@@ -49,8 +51,9 @@ async def regenerate_conversations(
     def failed(reason: str) -> tuple[None, str]:
         streak[0] += 1
         if streak[0] >= max_failures_in_a_row:
-            raise RegenerationError(f"{streak[0]} regeneration requests failed in a row ({reason}); "
-                                    f"last errors: {errors[-3:]}")
+            raise RegenerationError(
+                f"{streak[0]} regeneration requests failed in a row ({reason}); last errors: {errors[-3:]}"
+            )
         return None, reason
 
     async def one(messages: Conversation) -> tuple[Conversation | None, str | None]:
@@ -61,7 +64,7 @@ async def regenerate_conversations(
             try:
                 call = generate([dict(x) for x in out[:i]], max_tokens)
                 reply = await (asyncio.wait_for(call, timeout_s) if timeout_s else call)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return failed("regenerate_timeout")
             except Exception as err:  # a server error must cost one sample, not the whole run
                 errors.append(f"{type(err).__name__}: {err}"[:300])

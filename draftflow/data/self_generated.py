@@ -117,7 +117,8 @@ class GenerationResult:
 
     def report(self) -> dict:
         return {
-            "attempted": self.attempted, "kept": len(self.conversations),
+            "attempted": self.attempted,
+            "kept": len(self.conversations),
             "dropped": dict(sorted(self.dropped.items())),
             "followups_cut": dict(sorted(self.followups_cut.items())),
             "resumed_from_partial": self.resumed,
@@ -145,7 +146,11 @@ class _Partial:
                 if "first" in record:
                     self.firsts[record["first"]] = Sampled(record["text"], record["finish_reason"])
                 elif "conversation" in record:
-                    self.conversations[record["conversation"]] = (record["messages"], record["drop"], record["cut"])
+                    self.conversations[record["conversation"]] = (
+                        record["messages"],
+                        record["drop"],
+                        record["cut"],
+                    )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
 
@@ -193,15 +198,25 @@ async def generate_conversations(
     partial = _Partial(partial_path)
     resumed = len(partial.firsts) + len(partial.conversations)
     try:
-        return await _generate(settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial,
-                               progress, resumed)
+        return await _generate(
+            settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial, progress, resumed
+        )
     finally:
         partial.close()
 
 
-async def _generate(settings: SelfGeneratedSection, encoder: ChatEncoder, sample: SampleText, reply: Generate,
-                    seed: int, reply_max_tokens: int, concurrency: int, partial: _Partial,
-                    progress: ProgressCallback | None, resumed: int) -> GenerationResult:
+async def _generate(
+    settings: SelfGeneratedSection,
+    encoder: ChatEncoder,
+    sample: SampleText,
+    reply: Generate,
+    seed: int,
+    reply_max_tokens: int,
+    concurrency: int,
+    partial: _Partial,
+    progress: ProgressCallback | None,
+    resumed: int,
+) -> GenerationResult:
     control = sorted(encoder.control_strings)
 
     def system_of(i: int) -> Conversation:
@@ -237,7 +252,11 @@ async def _generate(settings: SelfGeneratedSection, encoder: ChatEncoder, sample
         # Batch sizes change nothing in the result (attempts are judged in order), only how soon
         # a target that writes nothing usable is caught: small batches until one prompt is kept.
         wanted = settings.num_prompts - len(kept)
-        size = max(concurrency, math.ceil(wanted * 1.25)) if kept else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
+        size = (
+            max(concurrency, math.ceil(wanted * 1.25))
+            if kept
+            else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
+        )
         batch = range(decided, min(budget, decided + size))
         await _pool(batch, first, concurrency)
         for i in batch:
@@ -259,8 +278,13 @@ async def _generate(settings: SelfGeneratedSection, encoder: ChatEncoder, sample
             "check the target's chat template, temperature and max_tokens of the self_generated source"
         )
     if len(kept) < settings.num_prompts:
-        log.warning("self-generated: only %d of %d prompts kept after %d attempts (dropped %s)",
-                    len(kept), settings.num_prompts, decided, dict(dropped))
+        log.warning(
+            "self-generated: only %d of %d prompts kept after %d attempts (dropped %s)",
+            len(kept),
+            settings.num_prompts,
+            decided,
+            dict(dropped),
+        )
 
     # Phase 2: replies and follow-up turns for the kept prompts.
     finished = [0]

@@ -104,7 +104,7 @@ def normalise_conversation(turns: Any) -> tuple[Conversation | None, str | None]
         else:
             out.append({"role": role, "content": text})
     head = out[:1] if out and out[0]["role"] == "system" else []
-    body = out[len(head):]
+    body = out[len(head) :]
     while body and body[0]["role"] == "assistant":
         body.pop(0)  # a reply to nothing: no prompt to condition on
     while body and body[-1]["role"] == "user":
@@ -342,7 +342,9 @@ def read_chatterbot(dropped: Counter) -> Iterator[Conversation]:
                 if not isinstance(conv, list) or not all(isinstance(t, str) for t in conv):
                     yield None
                     continue
-                yield [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(conv)]
+                yield [
+                    {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(conv)
+                ]
 
     yield from _normalised(records(), dropped)
 
@@ -365,7 +367,9 @@ def read_source(source: DataSource, dropped: Counter) -> Iterator[Conversation]:
     if source.kind == "chatterbot":
         return read_chatterbot(dropped)
     if source.kind == "self_generated":
-        raise ValueError("a self_generated source has no file to read: the target writes it during preparation")
+        raise ValueError(
+            "a self_generated source has no file to read: the target writes it during preparation"
+        )
     raise ValueError(f"unknown data source kind {source.kind!r}")
 
 

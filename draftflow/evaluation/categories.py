@@ -95,9 +95,13 @@ def category_markdown(evaluation) -> list[str]:
         return []
     sources = list(table)
     cats = sorted({c for rows in table.values() for c in rows})
-    lines = ["", f"τ per prompt category ({evaluation.meta.get('prompt_set', 'prompt set')}):", "",
-             "| category | prompts | " + " | ".join(f"{s} τ" for s in sources) + " |",
-             "|---|---|" + "---|" * len(sources)]
+    lines = [
+        "",
+        f"τ per prompt category ({evaluation.meta.get('prompt_set', 'prompt set')}):",
+        "",
+        "| category | prompts | " + " | ".join(f"{s} τ" for s in sources) + " |",
+        "|---|---|" + "---|" * len(sources),
+    ]
     for cat in cats:
         n = next(rows[cat]["prompts"] for rows in table.values() if cat in rows)
         cells = [f"{table[s][cat]['tau']:.3f}" if cat in table[s] else "" for s in sources]

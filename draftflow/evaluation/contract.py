@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from draftflow.models import algorithm_class, kinds
+from draftflow.models import algorithm_class, kinds, speculators
 from draftflow.models.provenance import d2t_digest, read_provenance
-from draftflow.models import speculators
 from draftflow.paths import EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE
+
 
 class ContractError(ValueError):
     """The checkpoint does not match its training provenance (or itself)."""
@@ -56,8 +56,10 @@ def _file_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: Tensor
     if fc is None:
         out.append("model.safetensors has no fc.weight")
     elif fc != (hidden, len(aux) * hidden):
-        out.append(f"fc.weight shape {list(fc)} does not read the {len(aux)} aux layers {aux} of hidden size {hidden} "
-                   f"(expected {[hidden, len(aux) * hidden]})")
+        out.append(
+            f"fc.weight shape {list(fc)} does not read the {len(aux)} aux layers {aux} of hidden size {hidden} "
+            f"(expected {[hidden, len(aux) * hidden]})"
+        )
     draft_vocab = int(config.get("draft_vocab_size") or vocab)
     head = shapes.get("lm_head.weight")
     if head is not None and head[0] != draft_vocab:
@@ -82,18 +84,21 @@ def _same_model(a: str, b: str) -> bool:
     return a.rstrip("/") == b.rstrip("/")
 
 
-def _provenance_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: Tensor | None,
-                         prov: dict) -> list[str]:
+def _provenance_problems(
+    config: dict, kind, aux: list[int], shapes: dict, d2t: Tensor | None, prov: dict
+) -> list[str]:
     """What differs between the folder and the training record."""
     out = []
     layer = config.get("transformer_layer_config") or {}
     if prov.get("drafter") != kind.kind:
-        out.append(f"config.json speculators_model_type {kind.kind!r} != trained drafter "
-                   f"{prov.get('drafter')!r}")
+        out.append(
+            f"config.json speculators_model_type {kind.kind!r} != trained drafter {prov.get('drafter')!r}"
+        )
     trained = [int(i) for i in prov.get("aux_layer_ids") or []]
     if aux != trained:
-        out.append(f"config.json {kind.aux_layer_ids_key} {aux} != trained "
-                   f"{trained}{_shift_hint(aux, trained)}")
+        out.append(
+            f"config.json {kind.aux_layer_ids_key} {aux} != trained {trained}{_shift_hint(aux, trained)}"
+        )
     extracted = [int(i) for i in prov.get("extracted_layer_ids") or []]
     if not set(trained) <= set(extracted):
         out.append(f"trained aux layers {trained} are not all among the extracted layers {extracted}")
@@ -108,8 +113,10 @@ def _provenance_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: 
     head_rows = (shapes.get("lm_head.weight") or (None,))[0]
     trained_vocab = prov.get("draft_vocab_size")
     if trained_vocab is not None and head_rows is not None and head_rows != trained_vocab:
-        out.append(f"lm_head.weight has {head_rows} rows but the drafter was trained with draft_vocab_size "
-                   f"{trained_vocab}")
+        out.append(
+            f"lm_head.weight has {head_rows} rows but the drafter was trained with draft_vocab_size "
+            f"{trained_vocab}"
+        )
     trained_digest = prov.get("d2t_sha256")
     if trained_digest is None and d2t is not None:
         out.append("model.safetensors ships a d2t mapping but the drafter was trained on the full vocabulary")
@@ -117,14 +124,18 @@ def _provenance_problems(config: dict, kind, aux: list[int], shapes: dict, d2t: 
         found = d2t_digest(d2t if d2t is not None else torch.zeros(vocab, dtype=torch.int64))
         if found != trained_digest:
             what = "d2t" if d2t is not None else "the identity vocabulary (no d2t)"
-            out.append(f"model.safetensors {what} (sha256 {found[:12]}…) != the draft vocabulary used in training "
-                       f"(sha256 {trained_digest[:12]}…): a stale or foreign d2t mapping")
+            out.append(
+                f"model.safetensors {what} (sha256 {found[:12]}…) != the draft vocabulary used in training "
+                f"(sha256 {trained_digest[:12]}…): a stale or foreign d2t mapping"
+            )
     hidden = int(layer.get("hidden_size", 0))
     if prov.get("target_hidden_size") not in (None, hidden):
         out.append(f"drafter hidden size {hidden} != trained target_hidden_size {prov['target_hidden_size']}")
     if prov.get("target_vocab_size") not in (None, vocab):
-        out.append(f"transformer_layer_config.vocab_size {vocab} != trained target_vocab_size "
-                   f"{prov['target_vocab_size']}")
+        out.append(
+            f"transformer_layer_config.vocab_size {vocab} != trained target_vocab_size "
+            f"{prov['target_vocab_size']}"
+        )
     return out
 
 
@@ -132,21 +143,28 @@ def _target_problems(config: dict, aux: list[int], target_info) -> list[str]:
     out = []
     layer = config.get("transformer_layer_config") or {}
     if int(layer.get("hidden_size", 0)) != target_info.hidden_size:
-        out.append(f"drafter hidden size {layer.get('hidden_size')} != the target's {target_info.hidden_size}")
+        out.append(
+            f"drafter hidden size {layer.get('hidden_size')} != the target's {target_info.hidden_size}"
+        )
     if int(layer.get("vocab_size", 0)) != target_info.vocab_size:
         out.append(f"drafter vocab_size {layer.get('vocab_size')} != the target's {target_info.vocab_size}")
     bad = [i for i in aux if not 0 <= i <= target_info.num_layers]
     if bad:
-        out.append(f"aux layer ids {bad} outside 0..{target_info.num_layers} for a {target_info.num_layers}-layer "
-                   "target")
+        out.append(
+            f"aux layer ids {bad} outside 0..{target_info.num_layers} for a {target_info.num_layers}-layer "
+            "target"
+        )
     archs = ((config.get("speculators_config") or {}).get("verifier") or {}).get("architectures") or []
     if archs and target_info.architectures and set(archs).isdisjoint(target_info.architectures):
-        out.append(f"config.json verifier architectures {archs} != the target's {list(target_info.architectures)}")
+        out.append(
+            f"config.json verifier architectures {archs} != the target's {list(target_info.architectures)}"
+        )
     return out
 
 
-def check_contract(folder: str | Path, target_info=None, *, verifier: str | None = None,
-                   fingerprint: str | None = None) -> list[str]:
+def check_contract(
+    folder: str | Path, target_info=None, *, verifier: str | None = None, fingerprint: str | None = None
+) -> list[str]:
     """Problems of the export in ``folder``, one sentence each; empty when it is sound.
 
     target_info: the target's :class:`~draftflow.target.TargetInfo` (sizes, layer count);
@@ -168,19 +186,25 @@ def check_contract(folder: str | Path, target_info=None, *, verifier: str | None
     aux = [int(i) for i in config[key]]
     problems = []
     if aux != sorted(set(aux)):
-        problems.append(f"config.json {key} {aux} is not ascending and unique (vLLM sorts them; "
-                        "fc's input blocks would be read in another order)")
+        problems.append(
+            f"config.json {key} {aux} is not ascending and unique (vLLM sorts them; "
+            "fc's input blocks would be read in another order)"
+        )
     shapes, d2t = _read_weights(folder)
     problems += _file_problems(config, kind, aux, shapes, d2t)
     prov = read_provenance(folder)
     if prov is None:
-        problems.append(f"no {PROVENANCE} in {folder}: the trainer's record is missing, so layer ids, draft "
-                        "vocabulary and mask token cannot be checked against training")
+        problems.append(
+            f"no {PROVENANCE} in {folder}: the trainer's record is missing, so layer ids, draft "
+            "vocabulary and mask token cannot be checked against training"
+        )
     else:
         problems += _provenance_problems(config, kind, aux, shapes, d2t, prov)
         if fingerprint is not None and prov.get("fingerprint") != fingerprint:
-            problems.append(f"checkpoint trained on data {prov.get('fingerprint')!r} but evaluated with recipe data "
-                            f"{fingerprint!r}: its eval split is not known to be held out for this checkpoint")
+            problems.append(
+                f"checkpoint trained on data {prov.get('fingerprint')!r} but evaluated with recipe data "
+                f"{fingerprint!r}: its eval split is not known to be held out for this checkpoint"
+            )
     if target_info is not None:
         problems += _target_problems(config, aux, target_info)
     served = speculators.verifier(config)

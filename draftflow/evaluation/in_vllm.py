@@ -59,9 +59,13 @@ class SpecCounters:
     def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
         positions = set(self.accepted_per_position) | set(other.accepted_per_position)
         return SpecCounters(
-            self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
             self.accepted + sign * other.accepted,
-            {p: self.accepted_per_position.get(p, 0) + sign * other.accepted_per_position.get(p, 0) for p in positions},
+            {
+                p: self.accepted_per_position.get(p, 0) + sign * other.accepted_per_position.get(p, 0)
+                for p in positions
+            },
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -86,7 +90,7 @@ def parse_spec_counters(text: str) -> SpecCounters:
         if not m or not m["name"].endswith("_total"):  # skips the `_created` timestamps
             continue
         found = True
-        base, value = m["name"][len(_PREFIX):-len("_total")], float(m["value"])
+        base, value = m["name"][len(_PREFIX) : -len("_total")], float(m["value"])
         if base == "num_accepted_tokens_per_pos":
             pos = _POSITION.search(m["labels"] or "")
             if pos:
@@ -94,21 +98,34 @@ def parse_spec_counters(text: str) -> SpecCounters:
         elif base in totals:
             totals[base] += value
     if not found:
-        raise SpecDecodeMetricsMissing("no vllm:spec_decode_* counters on /metrics: the server runs no drafter")
-    return SpecCounters(round(totals["num_drafts"]), round(totals["num_draft_tokens"]),
-                        round(totals["num_accepted_tokens"]), {p: round(v) for p, v in per_pos.items()})
+        raise SpecDecodeMetricsMissing(
+            "no vllm:spec_decode_* counters on /metrics: the server runs no drafter"
+        )
+    return SpecCounters(
+        round(totals["num_drafts"]),
+        round(totals["num_draft_tokens"]),
+        round(totals["num_accepted_tokens"]),
+        {p: round(v) for p, v in per_pos.items()},
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # Server factories
 # ---------------------------------------------------------------------------------------
 
+
 class LaunchServerFactory:
     """Starts one vLLM server per use with a recipe's ``vllm.launch`` settings and stops it
     afterwards; fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32)."""
 
-    def __init__(self, launch: VLLMLaunchSection, *, dtype: str | None = None,
-                 log_dir: str | Path | None = None, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        launch: VLLMLaunchSection,
+        *,
+        dtype: str | None = None,
+        log_dir: str | Path | None = None,
+        host: str = "127.0.0.1",
+    ):
         self.launch, self.log_dir, self.host = launch, log_dir, host
         self.dtype = dtype or ("float32" if launch.device == "cpu" else "auto")
 
@@ -116,8 +133,15 @@ class LaunchServerFactory:
     def __call__(self, model: str, speculative_config: dict | None = None) -> Iterator[str]:
         port = free_port()
         log = str(Path(self.log_dir) / f"vllm-eval-{port}.log") if self.log_dir else None
-        spec = LaunchSpec.from_section(self.launch, model=str(model), port=port, host=self.host,
-                                       dtype=self.dtype, speculative_config=speculative_config, log_path=log)
+        spec = LaunchSpec.from_section(
+            self.launch,
+            model=str(model),
+            port=port,
+            host=self.host,
+            dtype=self.dtype,
+            speculative_config=speculative_config,
+            log_path=log,
+        )
         server = ServerProcess(spec).start()
         try:
             server.wait_healthy(self.launch.startup_timeout_s)
@@ -141,6 +165,7 @@ def reusing_factory(get: Callable[..., Any], **settings) -> ServerFactory:
 # ---------------------------------------------------------------------------------------
 # The evaluator
 # ---------------------------------------------------------------------------------------
+
 
 @dataclass
 class GenerationRun:
@@ -169,16 +194,25 @@ class _Server:
         self.model = self.http.get(f"{self.url}/v1/models").raise_for_status().json()["data"][0]["id"]
 
     def complete(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], float]:
-        payload = {"model": self.model, "prompt": [int(t) for t in prompt], "max_tokens": int(max_tokens),
-                   "temperature": 0.0, "return_token_ids": True}
+        payload = {
+            "model": self.model,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": int(max_tokens),
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
         start = time.perf_counter()
         response = self.http.post(f"{self.url}/v1/completions", json=payload)
         elapsed = time.perf_counter() - start
         if response.status_code >= 400:
-            raise RuntimeError(f"{self.url}/v1/completions: HTTP {response.status_code}: {response.text[:500]}")
+            raise RuntimeError(
+                f"{self.url}/v1/completions: HTTP {response.status_code}: {response.text[:500]}"
+            )
         choice = response.json()["choices"][0]
         if choice.get("token_ids") is None:
-            raise RuntimeError(f"{self.url}: the completion carries no token_ids (vLLM too old for return_token_ids?)")
+            raise RuntimeError(
+                f"{self.url}: the completion carries no token_ids (vLLM too old for return_token_ids?)"
+            )
         return [int(t) for t in choice["token_ids"]], elapsed
 
     def counters(self, settle_s: float = 2.0) -> SpecCounters:
@@ -211,8 +245,15 @@ class _Server:
         self.http.close()
 
 
-def _generate(factory: ServerFactory, model: str, speculative_config: dict | None, prompts, max_tokens: int,
-              scrape: bool, timeout_s: float) -> GenerationRun:
+def _generate(
+    factory: ServerFactory,
+    model: str,
+    speculative_config: dict | None,
+    prompts,
+    max_tokens: int,
+    scrape: bool,
+    timeout_s: float,
+) -> GenerationRun:
     with factory(model, speculative_config) as url:
         server = _Server(url, timeout_s)
         try:
@@ -221,10 +262,17 @@ def _generate(factory: ServerFactory, model: str, speculative_config: dict | Non
             server.close()
 
 
-def evaluate_in_vllm(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                     server_factory: ServerFactory, prompt_names: Sequence[str] | None = None,
-                     speculative_config: dict | None = None, measure_baseline: bool = True,
-                     request_timeout_s: float = 600.0) -> VLLMResult:
+def evaluate_in_vllm(
+    checkpoint_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    server_factory: ServerFactory,
+    prompt_names: Sequence[str] | None = None,
+    speculative_config: dict | None = None,
+    measure_baseline: bool = True,
+    request_timeout_s: float = 600.0,
+) -> VLLMResult:
     """Serve the target with ``checkpoint_dir`` as its drafter and read vLLM's own acceptance.
 
     speculative_config: extra ``--speculative-config`` JSON merged in by vLLM (e.g.
@@ -236,15 +284,31 @@ def evaluate_in_vllm(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
     names = list(prompt_names) if prompt_names is not None else [str(i) for i in range(len(prompts))]
     info = checkpoint_info(checkpoint_dir)
     k = int((speculative_config or {}).get("num_speculative_tokens") or info["speculative_tokens"])
-    run = _generate(server_factory, str(checkpoint_dir), speculative_config, prompts, max_new_tokens, True,
-                    request_timeout_s)
-    per_prompt = [PromptAcceptance(name, c.drafts, c.accepted, len(out), c.draft_tokens, c.per_position(k))
-                  for name, c, out in zip(names, run.per_prompt, run.outputs)]
+    run = _generate(
+        server_factory,
+        str(checkpoint_dir),
+        speculative_config,
+        prompts,
+        max_new_tokens,
+        True,
+        request_timeout_s,
+    )
+    per_prompt = [
+        PromptAcceptance(name, c.drafts, c.accepted, len(out), c.draft_tokens, c.per_position(k))
+        for name, c, out in zip(names, run.per_prompt, run.outputs)
+    ]
     total = sum(run.per_prompt[1:], run.per_prompt[0])
     report = AcceptanceReport(
-        source="vllm", drafter=info["kind"], draft_length=k, num_prompts=len(prompts), drafts=total.drafts,
-        draft_tokens=total.draft_tokens, accepted_tokens=total.accepted, accepted_per_position=total.per_position(k),
-        per_prompt=per_prompt, max_new_tokens=max_new_tokens,
+        source="vllm",
+        drafter=info["kind"],
+        draft_length=k,
+        num_prompts=len(prompts),
+        drafts=total.drafts,
+        draft_tokens=total.draft_tokens,
+        accepted_tokens=total.accepted,
+        accepted_per_position=total.per_position(k),
+        per_prompt=per_prompt,
+        max_new_tokens=max_new_tokens,
         notes=[f"vLLM spec-decode counters; target {info['verifier']}"],
     )
     extra = [p for p in total.accepted_per_position if p >= k and total.accepted_per_position[p]]
@@ -252,15 +316,23 @@ def evaluate_in_vllm(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
         report.notes.append(f"counters report accepted positions {extra} beyond the draft length {k}")
     baseline = None
     if measure_baseline:
-        base = _generate(server_factory, info["verifier"], None, prompts, max_new_tokens, False, request_timeout_s)
+        base = _generate(
+            server_factory, info["verifier"], None, prompts, max_new_tokens, False, request_timeout_s
+        )
         baseline = base.outputs
-        report.throughput = {"with_drafter_tok_s": run.tokens_per_s, "without_drafter_tok_s": base.tokens_per_s,
-                             "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0}
+        report.throughput = {
+            "with_drafter_tok_s": run.tokens_per_s,
+            "without_drafter_tok_s": base.tokens_per_s,
+            "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
+        }
         same = [a == b for a, b in zip(run.outputs, baseline)]
         report.outputs_identical = sum(same)
-        report.notes += [f"prompt {n}: output with the drafter differs from the target alone (first at token "
-                         f"{_first_difference(a, b)})" for n, ok, a, b in zip(names, same, run.outputs, baseline)
-                         if not ok]
+        report.notes += [
+            f"prompt {n}: output with the drafter differs from the target alone (first at token "
+            f"{_first_difference(a, b)})"
+            for n, ok, a, b in zip(names, same, run.outputs, baseline)
+            if not ok
+        ]
     return VLLMResult(report, run.outputs, baseline)
 
 

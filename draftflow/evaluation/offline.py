@@ -40,9 +40,8 @@ from torch import Tensor
 
 from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
 from draftflow.models import checkpoint_info, load_drafter
-from draftflow.models.algorithm import DraftState, DrafterAlgorithm
+from draftflow.models.algorithm import DrafterAlgorithm, DraftState
 from draftflow.models.target_weights import resolve_model_dir
-
 
 
 class LosslessError(AssertionError):
@@ -61,6 +60,7 @@ class Proposer(Protocol):
 # ---------------------------------------------------------------------------------------
 # The target
 # ---------------------------------------------------------------------------------------
+
 
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The target as transformers loads it (fp32 on CPU by default), in eval mode."""
@@ -86,7 +86,9 @@ class TargetRunner:
         self.can_keep_last = "logits_to_keep" in params
         bad = [i for i in self.aux_layer_ids if not 0 <= i <= self.num_layers]
         if bad:
-            raise ValueError(f"aux layer ids {bad} outside 0..{self.num_layers} for a {self.num_layers}-layer target")
+            raise ValueError(
+                f"aux layer ids {bad} outside 0..{self.num_layers} for a {self.num_layers}-layer target"
+            )
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -94,7 +96,9 @@ class TargetRunner:
         return DynamicCache()
 
     @torch.no_grad()
-    def forward(self, token_ids: Sequence[int], cache, last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self, token_ids: Sequence[int], cache, last_only: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """Feed ``token_ids`` after what ``cache`` holds → logits [n, V] (or [1, V] with
         ``last_only``), aux states [n, n_aux, H]."""
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.model.device)
@@ -102,19 +106,27 @@ class TargetRunner:
         captured: dict[str, Tensor] = {}
         hook = None
         if self.num_layers in self.aux_layer_ids:
+
             def keep(_module, _inputs, output):
                 captured["last"] = output[0] if isinstance(output, tuple) else output
 
             hook = _decoder_layers(self.model)[-1].register_forward_hook(keep)
         try:
-            out = self.model(input_ids=ids, use_cache=True, output_hidden_states=bool(self.aux_layer_ids),
-                             **{self.cache_arg: cache}, **extra)
+            out = self.model(
+                input_ids=ids,
+                use_cache=True,
+                output_hidden_states=bool(self.aux_layer_ids),
+                **{self.cache_arg: cache},
+                **extra,
+            )
         finally:
             if hook is not None:
                 hook.remove()
         aux = None
         if self.aux_layer_ids:
-            states = [captured["last"] if i == self.num_layers else out.hidden_states[i] for i in self.aux_layer_ids]
+            states = [
+                captured["last"] if i == self.num_layers else out.hidden_states[i] for i in self.aux_layer_ids
+            ]
             aux = torch.stack([s[0] for s in states], 1).float()  # [n, n_aux, H]
         return out.logits[0].float(), aux
 
@@ -125,8 +137,9 @@ class GreedyOutput:
     top2_gaps: list[float]  # the target's top-1 minus top-2 logit at each generated token
 
 
-def greedy_generate(runner: TargetRunner, prompt: Sequence[int], max_new_tokens: int,
-                    stop_ids: Sequence[int] = ()) -> GreedyOutput:
+def greedy_generate(
+    runner: TargetRunner, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> GreedyOutput:
     """The target's plain greedy output: one token per forward pass, the reference for losslessness."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -156,6 +169,7 @@ def truncate_output(tokens: Sequence[int], max_new_tokens: int, stop_ids: Sequen
 # The simulation
 # ---------------------------------------------------------------------------------------
 
+
 @dataclass
 class PromptRun:
     output: list[int]
@@ -164,8 +178,14 @@ class PromptRun:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def speculative_generate(runner: TargetRunner, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
-                         stop_ids: Sequence[int] = (), prompt_index: int = 0) -> PromptRun:
+def speculative_generate(
+    runner: TargetRunner,
+    proposer: Proposer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    prompt_index: int = 0,
+) -> PromptRun:
     """Greedy speculative decoding of one prompt, counted as vLLM counts (see the module doc)."""
     k = int(proposer.draft_length)
     if k < 1:
@@ -178,7 +198,9 @@ def speculative_generate(runner: TargetRunner, proposer: Proposer, prompt: Seque
     states = [aux] if aux is not None else []
     run = PromptRun(output=[], accepted_per_position=[0] * k)
     while len(generated) < max_new_tokens and not stops.intersection(generated):
-        state = DraftState(prompt_index, prompt + generated, len(prompt), torch.cat(states) if states else None)
+        state = DraftState(
+            prompt_index, prompt + generated, len(prompt), torch.cat(states) if states else None
+        )
         draft = [int(t) for t in proposer.propose(state)]
         if len(draft) != k:
             raise ValueError(f"proposer {proposer.name} returned {len(draft)} tokens, expected {k}")
@@ -206,9 +228,16 @@ class OfflineResult:
     outputs: list[list[int]]  # generated token ids per prompt (equal to the target's greedy output)
 
 
-def simulate(model, proposer: Proposer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             stop_ids: Sequence[int] = (), prompt_names: Sequence[str] | None = None,
-             check_lossless: bool = True) -> OfflineResult:
+def simulate(
+    model,
+    proposer: Proposer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    prompt_names: Sequence[str] | None = None,
+    check_lossless: bool = True,
+) -> OfflineResult:
     """Run :func:`speculative_generate` over ``prompts`` → the offline :class:`AcceptanceReport`."""
     names = list(prompt_names) if prompt_names is not None else [str(i) for i in range(len(prompts))]
     if len(names) != len(prompts):
@@ -223,26 +252,50 @@ def simulate(model, proposer: Proposer, prompts: Sequence[Sequence[int]], *, max
             check_same_as_greedy(runner, prompt, run.output, max_new_tokens, stop_ids, name)
         outputs.append(run.output)
         per_position = [a + b for a, b in zip(per_position, run.accepted_per_position)]
-        per_prompt.append(PromptAcceptance(name, run.drafts, run.accepted, len(run.output), run.drafts * k,
-                                           list(run.accepted_per_position)))
+        per_prompt.append(
+            PromptAcceptance(
+                name,
+                run.drafts,
+                run.accepted,
+                len(run.output),
+                run.drafts * k,
+                list(run.accepted_per_position),
+            )
+        )
     report = AcceptanceReport(
-        source="offline", drafter=proposer.name, draft_length=k, num_prompts=len(prompts),
-        drafts=sum(p.drafts for p in per_prompt), draft_tokens=sum(p.draft_tokens for p in per_prompt),
-        accepted_tokens=sum(p.accepted for p in per_prompt), accepted_per_position=per_position,
-        per_prompt=per_prompt, max_new_tokens=max_new_tokens,
+        source="offline",
+        drafter=proposer.name,
+        draft_length=k,
+        num_prompts=len(prompts),
+        drafts=sum(p.drafts for p in per_prompt),
+        draft_tokens=sum(p.draft_tokens for p in per_prompt),
+        accepted_tokens=sum(p.accepted for p in per_prompt),
+        accepted_per_position=per_position,
+        per_prompt=per_prompt,
+        max_new_tokens=max_new_tokens,
         outputs_identical=len(prompts) if check_lossless else None,
-        notes=[f"target in transformers ({next(model.parameters()).dtype}, {model.device}), greedy, KV cache"],
+        notes=[
+            f"target in transformers ({next(model.parameters()).dtype}, {model.device}), greedy, KV cache"
+        ],
     )
     return OfflineResult(report, outputs)
 
 
-def check_same_as_greedy(runner: TargetRunner, prompt: Sequence[int], output: list[int], max_new_tokens: int,
-                         stop_ids: Sequence[int], name: str) -> None:
+def check_same_as_greedy(
+    runner: TargetRunner,
+    prompt: Sequence[int],
+    output: list[int],
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    name: str,
+) -> None:
     reference = greedy_generate(runner, prompt, max_new_tokens, stop_ids)
     if output == reference.tokens:
         return
-    i = next((j for j, (a, b) in enumerate(zip(output, reference.tokens)) if a != b),
-             min(len(output), len(reference.tokens)))
+    i = next(
+        (j for j, (a, b) in enumerate(zip(output, reference.tokens)) if a != b),
+        min(len(output), len(reference.tokens)),
+    )
     gaps = reference.top2_gaps
     gap = f"; the target's top-2 logit gap there is {gaps[i]:.2e}" if i < len(gaps) else ""
     raise LosslessError(
@@ -256,6 +309,7 @@ def check_same_as_greedy(runner: TargetRunner, prompt: Sequence[int], output: li
 # ---------------------------------------------------------------------------------------
 # Proposers
 # ---------------------------------------------------------------------------------------
+
 
 class DrafterProposer:
     """A drafter of any kind (its :class:`~draftflow.models.algorithm.DrafterAlgorithm`) proposing
@@ -272,8 +326,9 @@ class DrafterProposer:
         return self.drafter.propose(state)
 
 
-def checkpoint_proposer(folder: str | Path, *, target: str | Path | None = None,
-                        draft_length: int | None = None) -> DrafterProposer:
+def checkpoint_proposer(
+    folder: str | Path, *, target: str | Path | None = None, draft_length: int | None = None
+) -> DrafterProposer:
     """The drafter rebuilt from the exported folder (the files vLLM reads), in fp32; ``draft_length``
     overrides the exported draft length where the kind allows it."""
     drafter = load_drafter(folder, target=target, dtype=torch.float32)
@@ -286,9 +341,18 @@ def checkpoint_proposer(folder: str | Path, *, target: str | Path | None = None,
 # Entry point for a checkpoint
 # ---------------------------------------------------------------------------------------
 
-def evaluate_offline(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                     stop_ids: Sequence[int] = (), target: str | Path | None = None, model=None,
-                     prompt_names: Sequence[str] | None = None, draft_length: int | None = None) -> OfflineResult:
+
+def evaluate_offline(
+    checkpoint_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    target: str | Path | None = None,
+    model=None,
+    prompt_names: Sequence[str] | None = None,
+    draft_length: int | None = None,
+) -> OfflineResult:
     """Offline acceptance of the drafter exported in ``checkpoint_dir`` against its target.
 
     target: the target folder or hub id (default: the verifier named in config.json); model:
@@ -297,5 +361,6 @@ def evaluate_offline(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]
     target = target or checkpoint_info(checkpoint_dir)["verifier"]
     proposer = checkpoint_proposer(checkpoint_dir, target=target, draft_length=draft_length)
     model = model if model is not None else load_target(target)
-    return simulate(model, proposer, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                    prompt_names=prompt_names)
+    return simulate(
+        model, proposer, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, prompt_names=prompt_names
+    )

@@ -38,9 +38,9 @@ class PromptAcceptance:
 
 @dataclass
 class AcceptanceReport:
-    source: str                 # "offline" | "vllm"
-    drafter: str                # "dflash" | "eagle3"
-    draft_length: int           # speculative tokens per draft
+    source: str  # "offline" | "vllm"
+    drafter: str  # "dflash" | "eagle3"
+    draft_length: int  # speculative tokens per draft
     num_prompts: int
     drafts: int
     draft_tokens: int
@@ -131,8 +131,10 @@ class Evaluation:
         if self.agrees:
             return None
         a, b = self.offline.mean_acceptance_length, self.vllm.mean_acceptance_length
-        return (f"offline τ {a:.4f} and vLLM τ {b:.4f} disagree: relative gap {self.relative_gap:.1%} exceeds the "
-                f"tolerance {self.agreement_tolerance:.1%} ({self.checkpoint})")
+        return (
+            f"offline τ {a:.4f} and vLLM τ {b:.4f} disagree: relative gap {self.relative_gap:.1%} exceeds the "
+            f"tolerance {self.agreement_tolerance:.1%} ({self.checkpoint})"
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -168,8 +170,11 @@ class Evaluation:
     def markdown(self) -> str:
         rows = [r for r in (self.offline, self.vllm) if r]
         k = max((r.draft_length for r in rows), default=0)
-        head = "| measured in | prompts | drafts | τ (mean acceptance length) | acceptance rate | " + \
-            " | ".join(f"pos {i + 1}" for i in range(k)) + " |"
+        head = (
+            "| measured in | prompts | drafts | τ (mean acceptance length) | acceptance rate | "
+            + " | ".join(f"pos {i + 1}" for i in range(k))
+            + " |"
+        )
         sep = "|" + "---|" * (5 + k)
         lines = [f"# Acceptance of {self.checkpoint}", ""]
         if self.meta:
@@ -181,28 +186,41 @@ class Evaluation:
         lines += [head, sep]
         for r in rows:
             pos = " | ".join(f"{p:.3f}" for p in r.per_position)
-            lines.append(f"| {r.source} | {r.num_prompts} | {r.drafts} | {r.mean_acceptance_length:.3f} | "
-                         f"{r.acceptance_rate:.3f} | {pos} |")
+            lines.append(
+                f"| {r.source} | {r.num_prompts} | {r.drafts} | {r.mean_acceptance_length:.3f} | "
+                f"{r.acceptance_rate:.3f} | {pos} |"
+            )
         notes = []
         for r in rows:
             if r.outputs_identical is not None:
-                notes.append(f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the target's "
-                             "own greedy output" + (" (same server, no drafter)" if r.source == "vllm" else ""))
+                notes.append(
+                    f"- {r.source}: {r.outputs_identical}/{r.num_prompts} outputs identical to the target's "
+                    "own greedy output" + (" (same server, no drafter)" if r.source == "vllm" else "")
+                )
             notes += [f"- {r.source}: {note}" for note in r.notes]
         lines += [""] + notes if notes else []
         lines += category_markdown(self)
         lines += self._per_prompt_table(rows)
         if self.vllm and self.vllm.throughput:
             t = self.vllm.throughput
-            lines += ["", f"Decode throughput in vLLM (batch size 1, completion tokens / request time): "
-                          f"{t['with_drafter_tok_s']:.1f} tok/s with the drafter, "
-                          f"{t['without_drafter_tok_s']:.1f} tok/s without (speedup {t['speedup']:.2f}x)."]
+            lines += [
+                "",
+                f"Decode throughput in vLLM (batch size 1, completion tokens / request time): "
+                f"{t['with_drafter_tok_s']:.1f} tok/s with the drafter, "
+                f"{t['without_drafter_tok_s']:.1f} tok/s without (speedup {t['speedup']:.2f}x).",
+            ]
         gap = self.relative_gap
         if gap is not None:
-            lines += ["", f"Offline vs vLLM τ gap: {gap:.1%} (tolerance {self.agreement_tolerance:.1%}): "
-                          + ("agree" if self.agrees else "DISAGREE")]
-        lines += ["", f"Gate: τ {self.tau:.3f} vs minimum {self.min_acceptance_length:.3f}: "
-                      + ("PASS" if self.passed_gate else "FAIL")]
+            lines += [
+                "",
+                f"Offline vs vLLM τ gap: {gap:.1%} (tolerance {self.agreement_tolerance:.1%}): "
+                + ("agree" if self.agrees else "DISAGREE"),
+            ]
+        lines += [
+            "",
+            f"Gate: τ {self.tau:.3f} vs minimum {self.min_acceptance_length:.3f}: "
+            + ("PASS" if self.passed_gate else "FAIL"),
+        ]
         return "\n".join(lines) + "\n"
 
     @staticmethod
@@ -211,26 +229,37 @@ class Evaluation:
         if not rows or not rows[0].per_prompt:
             return []
         by_source = [{p.prompt_id: p for p in r.per_prompt} for r in rows]
-        lines = ["", "| prompt | " + " | ".join(f"{r.source} τ | {r.source} tokens" for r in rows) + " |",
-                 "|---|" + "---|---|" * len(rows)]
+        lines = [
+            "",
+            "| prompt | " + " | ".join(f"{r.source} τ | {r.source} tokens" for r in rows) + " |",
+            "|---|" + "---|---|" * len(rows),
+        ]
         for p in rows[0].per_prompt:
-            cells = [(f"{d[p.prompt_id].acceptance_length:.3f}", str(d[p.prompt_id].generated_tokens))
-                     if p.prompt_id in d else ("", "") for d in by_source]
+            cells = [
+                (f"{d[p.prompt_id].acceptance_length:.3f}", str(d[p.prompt_id].generated_tokens))
+                if p.prompt_id in d
+                else ("", "")
+                for d in by_source
+            ]
             lines.append(f"| {p.prompt_id} | " + " | ".join(f"{a} | {b}" for a, b in cells) + " |")
         return lines
 
     def write(self, folder: Path) -> dict[str, Path]:
         folder.mkdir(parents=True, exist_ok=True)
-        paths = {"report": folder / "report.json", "summary": folder / "report.md",
-                 "chart": folder / "acceptance.png"}
+        paths = {
+            "report": folder / "report.json",
+            "summary": folder / "report.md",
+            "chart": folder / "acceptance.png",
+        }
         paths["report"].write_text(json.dumps(self.to_dict(), indent=2))
         paths["summary"].write_text(self.markdown())
         acceptance_chart([r for r in (self.offline, self.vllm) if r], paths["chart"], evaluation=self)
         return paths
 
 
-def acceptance_chart(reports: list[AcceptanceReport], path: Path,
-                     evaluation: Evaluation | None = None) -> Path:
+def acceptance_chart(
+    reports: list[AcceptanceReport], path: Path, evaluation: Evaluation | None = None
+) -> Path:
     """Per-position acceptance; with prompt categories, a second panel of τ per category."""
     import matplotlib
 

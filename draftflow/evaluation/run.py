@@ -82,35 +82,71 @@ def write_evaluation(evaluation: Evaluation, out_dir: str) -> dict[str, str]:
     return out
 
 
-def evaluate_prompts(checkpoint_dir: str | Path, prompts: Sequence[Sequence[int]], *, target: str,
-                     max_new_tokens: int, stop_ids: Sequence[int], min_acceptance_length: float,
-                     agreement_tolerance: float, prompt_names: Sequence[str] | None = None,
-                     in_vllm: bool = False, server_factory: ServerFactory | None = None,
-                     out_dir: str | Path | None = None, target_info=None, fingerprint: str | None = None,
-                     strict_contract: bool = True, speculative_config: dict | None = None,
-                     measure_baseline: bool = True, model=None, meta: dict | None = None) -> EvalRun:
+def evaluate_prompts(
+    checkpoint_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    *,
+    target: str,
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    min_acceptance_length: float,
+    agreement_tolerance: float,
+    prompt_names: Sequence[str] | None = None,
+    in_vllm: bool = False,
+    server_factory: ServerFactory | None = None,
+    out_dir: str | Path | None = None,
+    target_info=None,
+    fingerprint: str | None = None,
+    strict_contract: bool = True,
+    speculative_config: dict | None = None,
+    measure_baseline: bool = True,
+    model=None,
+    meta: dict | None = None,
+) -> EvalRun:
     """Everything :func:`evaluate_checkpoint` does once the prompts are token ids."""
     checkpoint = str(checkpoint_dir)
     problems = check_contract(checkpoint, target_info, verifier=target, fingerprint=fingerprint)
-    evaluation = Evaluation(None, None, min_acceptance_length, agreement_tolerance, checkpoint,
-                            contract_problems=problems, meta=dict(meta or {}, max_new_tokens=max_new_tokens),
-                            checkpoint_digest=speculators.checkpoint_digest(checkpoint))
+    evaluation = Evaluation(
+        None,
+        None,
+        min_acceptance_length,
+        agreement_tolerance,
+        checkpoint,
+        contract_problems=problems,
+        meta=dict(meta or {}, max_new_tokens=max_new_tokens),
+        checkpoint_digest=speculators.checkpoint_digest(checkpoint),
+    )
     run = EvalRun(evaluation)
     if problems and strict_contract:
         if out_dir is not None:
             run.paths = write_evaluation(evaluation, str(out_dir))
-        raise ContractError(f"{checkpoint}: checkpoint contract broken (nothing evaluated):\n- "
-                            + "\n- ".join(problems))
+        raise ContractError(
+            f"{checkpoint}: checkpoint contract broken (nothing evaluated):\n- " + "\n- ".join(problems)
+        )
     if in_vllm and server_factory is None:
         raise EvaluationError("evaluation in vLLM needs a server factory (recipe: vllm.launch settings)")
     draft_length = (speculative_config or {}).get("num_speculative_tokens")
-    run.offline = evaluate_offline(checkpoint, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                   target=target, model=model, prompt_names=prompt_names, draft_length=draft_length)
+    run.offline = evaluate_offline(
+        checkpoint,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stop_ids,
+        target=target,
+        model=model,
+        prompt_names=prompt_names,
+        draft_length=draft_length,
+    )
     evaluation.offline = run.offline.report
     if in_vllm:
-        run.vllm = evaluate_in_vllm(checkpoint, prompts, max_new_tokens=max_new_tokens, server_factory=server_factory,
-                                    prompt_names=prompt_names, speculative_config=speculative_config,
-                                    measure_baseline=measure_baseline)
+        run.vllm = evaluate_in_vllm(
+            checkpoint,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            server_factory=server_factory,
+            prompt_names=prompt_names,
+            speculative_config=speculative_config,
+            measure_baseline=measure_baseline,
+        )
         same = sum(a == b for a, b in zip(run.vllm.outputs, run.offline.outputs))
         run.vllm.report.notes.append(f"{same}/{len(prompts)} outputs identical to the offline simulator's")
         evaluation.vllm = run.vllm.report
@@ -134,8 +170,14 @@ def known_vllm_issue(checkpoint_dir: str | Path, device: str) -> str | None:
     return kind.known_serving_issue(config, device)
 
 
-def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict | None = None,
-                      max_total_tokens: int | None = None) -> tuple[list[str], list[list[int]], int]:
+def load_eval_prompts(
+    plan: Plan,
+    encoder,
+    *,
+    limit: int,
+    storage_options: dict | None = None,
+    max_total_tokens: int | None = None,
+) -> tuple[list[str], list[list[int]], int]:
     """(sample ids, prompt token ids, dropped) from the held-out eval split, chat template applied
     by ``encoder`` (a :class:`~draftflow.data.chat.ChatEncoder`, generation prompt added).
 
@@ -145,7 +187,10 @@ def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict 
     names, ids, dropped = [], [], 0
     for prompt in eval_prompts(plan.data, limit=limit, storage_options=storage_options):
         tokens = encoder.prompt_ids(prompt.messages)
-        if max_total_tokens is not None and len(tokens) + plan.recipe.evaluation.max_new_tokens > max_total_tokens:
+        if (
+            max_total_tokens is not None
+            and len(tokens) + plan.recipe.evaluation.max_new_tokens > max_total_tokens
+        ):
             dropped += 1
             continue
         names.append(prompt.sample_id)
@@ -153,8 +198,9 @@ def load_eval_prompts(plan: Plan, encoder, *, limit: int, storage_options: dict 
     return names, ids, dropped
 
 
-def load_prompt_set(plan: Plan, encoder, *, max_total_tokens: int | None = None
-                    ) -> tuple[list[str], list[list[int]], int, dict[str, str]]:
+def load_prompt_set(
+    plan: Plan, encoder, *, max_total_tokens: int | None = None
+) -> tuple[list[str], list[list[int]], int, dict[str, str]]:
     """(prompt ids, token ids, dropped, {prompt id: category}) of the recipe's ``evaluation.prompt_set``
     (see :mod:`draftflow.evaluation.categories`), chat template applied, too-long prompts dropped."""
     from draftflow.evaluation import categories as cat
@@ -172,22 +218,36 @@ def load_prompt_set(plan: Plan, encoder, *, max_total_tokens: int | None = None
     return names, ids, dropped, kinds
 
 
-def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str | Path, *, in_vllm: bool | None = None,
-                        server_factory: ServerFactory | None = None, out_dir: str | Path | None = None,
-                        overrides: Sequence[str] = (), storage_options: dict | None = None,
-                        strict_contract: bool = True, speculative_config: dict | None = None) -> Evaluation:
+def evaluate_checkpoint(
+    checkpoint_dir: str | Path,
+    plan_or_recipe: Plan | str | Path,
+    *,
+    in_vllm: bool | None = None,
+    server_factory: ServerFactory | None = None,
+    out_dir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    storage_options: dict | None = None,
+    strict_contract: bool = True,
+    speculative_config: dict | None = None,
+) -> Evaluation:
     """Evaluate the exported ``checkpoint_dir`` for a recipe (a :class:`Plan`, or a recipe path
     with ``overrides``); see the module doc. ``in_vllm`` None: the recipe's
     ``evaluation.in_vllm``. ``server_factory`` None: start servers from ``vllm.launch``.
     ``out_dir`` None: :func:`default_eval_dir`."""
-    plan = plan_or_recipe if isinstance(plan_or_recipe, Plan) else Plan.load(str(plan_or_recipe), list(overrides))
+    plan = (
+        plan_or_recipe
+        if isinstance(plan_or_recipe, Plan)
+        else Plan.load(str(plan_or_recipe), list(overrides))
+    )
     ev, launch = plan.recipe.evaluation, plan.recipe.vllm.launch
     in_vllm = ev.in_vllm if in_vllm is None else in_vllm
     out = str(out_dir) if out_dir is not None else default_eval_dir(checkpoint_dir)
     if in_vllm and server_factory is None:
         if launch is None:
-            raise EvaluationError("evaluation in vLLM starts its own server (target + this drafter): the recipe "
-                                  "needs vllm.launch settings, or pass --no-vllm")
+            raise EvaluationError(
+                "evaluation in vLLM starts its own server (target + this drafter): the recipe "
+                "needs vllm.launch settings, or pass --no-vllm"
+            )
         log_dir = None if "://" in out else out
         server_factory = LaunchServerFactory(launch, log_dir=log_dir)
     encoder = load_chat_encoder(plan.recipe.target)
@@ -195,26 +255,46 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, plan_or_recipe: Plan | str |
     categories: dict[str, str] = {}
     if ev.prompt_set == "held_out":
         names, prompts, dropped = load_eval_prompts(
-            plan, encoder, limit=ev.num_prompts, max_total_tokens=max_total, storage_options=storage_options)
+            plan, encoder, limit=ev.num_prompts, max_total_tokens=max_total, storage_options=storage_options
+        )
     else:
         names, prompts, dropped, categories = load_prompt_set(plan, encoder, max_total_tokens=max_total)
     if not prompts:
-        raise EvaluationError(f"no eval prompts ({ev.prompt_set}) in {plan.data.prepared_dir} "
-                              f"(data.eval_samples {plan.recipe.data.eval_samples}, {dropped} too long for "
-                              f"max_model_len {max_total})")
-    meta = {"recipe": plan.recipe.name, "fingerprint": plan.fingerprint, "target": plan.target_model,
-            "prompts": len(prompts), "dropped_too_long": dropped, "prompt_ids": names,
-            "prompt_set": ev.prompt_set}
+        raise EvaluationError(
+            f"no eval prompts ({ev.prompt_set}) in {plan.data.prepared_dir} "
+            f"(data.eval_samples {plan.recipe.data.eval_samples}, {dropped} too long for "
+            f"max_model_len {max_total})"
+        )
+    meta = {
+        "recipe": plan.recipe.name,
+        "fingerprint": plan.fingerprint,
+        "target": plan.target_model,
+        "prompts": len(prompts),
+        "dropped_too_long": dropped,
+        "prompt_ids": names,
+        "prompt_set": ev.prompt_set,
+    }
     if categories:
         meta["prompt_categories"] = categories
     issue = known_vllm_issue(checkpoint_dir, launch.device) if in_vllm and launch is not None else None
     if issue:
         meta["known_issue"] = issue
     run = evaluate_prompts(
-        checkpoint_dir, prompts, target=plan.target_model, max_new_tokens=ev.max_new_tokens,
-        stop_ids=sorted(encoder.stop_token_ids), min_acceptance_length=ev.min_acceptance_length,
-        agreement_tolerance=ev.agreement_tolerance, prompt_names=names, in_vllm=in_vllm,
-        server_factory=server_factory, out_dir=out, target_info=plan.target, fingerprint=plan.fingerprint,
-        strict_contract=strict_contract, speculative_config=speculative_config, meta=meta,
+        checkpoint_dir,
+        prompts,
+        target=plan.target_model,
+        max_new_tokens=ev.max_new_tokens,
+        stop_ids=sorted(encoder.stop_token_ids),
+        min_acceptance_length=ev.min_acceptance_length,
+        agreement_tolerance=ev.agreement_tolerance,
+        prompt_names=names,
+        in_vllm=in_vllm,
+        server_factory=server_factory,
+        out_dir=out,
+        target_info=plan.target,
+        fingerprint=plan.fingerprint,
+        strict_contract=strict_contract,
+        speculative_config=speculative_config,
+        meta=meta,
     )
     return run.evaluation

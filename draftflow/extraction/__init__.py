@@ -32,9 +32,23 @@ from draftflow.extraction.shards import (
 )
 
 __all__ = [
-    "FAULT_ONCE_DIR_ENV", "FAULT_SHARDS_ENV", "ExtractionProgress", "ExtractionSummary", "InjectedFault",
-    "ShardResult", "TrainSet", "expected_samples", "extract_samples", "extract_shard", "extract_shard_by_id",
-    "extraction_info", "make_client", "plan_extraction", "plan_shard", "prepare_data", "run_extraction",
+    "FAULT_ONCE_DIR_ENV",
+    "FAULT_SHARDS_ENV",
+    "ExtractionProgress",
+    "ExtractionSummary",
+    "InjectedFault",
+    "ShardResult",
+    "TrainSet",
+    "expected_samples",
+    "extract_samples",
+    "extract_shard",
+    "extract_shard_by_id",
+    "extraction_info",
+    "make_client",
+    "plan_extraction",
+    "plan_shard",
+    "prepare_data",
+    "run_extraction",
     "sample_failure",
     "train_set",
 ]

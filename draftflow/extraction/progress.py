@@ -71,20 +71,25 @@ class ExtractionSummary:
 
     def __str__(self) -> str:
         if self.shards_written:
-            work = (f"{self.shards_written} of {self.shards_total} shards written: {self.samples_ok} samples ok, "
-                    f"{self.samples_failed} failed, {self.tokens} tokens in {self.seconds:.1f}s "
-                    f"({self.tokens_per_s:.0f} tokens/s)")
+            work = (
+                f"{self.shards_written} of {self.shards_total} shards written: {self.samples_ok} samples ok, "
+                f"{self.samples_failed} failed, {self.tokens} tokens in {self.seconds:.1f}s "
+                f"({self.tokens_per_s:.0f} tokens/s)"
+            )
         else:
             work = f"nothing to do: all {self.shards_total} shards complete"
         lines = [
             f"data folder  {self.data_root}",
             f"samples      {self.samples_total} in the train split; {self.samples_present_before} already present",
             f"this run     {work}",
-            f"vLLM         {self.vllm_version or '-'}" + (" (started for this run)" if self.server_started else ""),
+            f"vLLM         {self.vllm_version or '-'}"
+            + (" (started for this run)" if self.server_started else ""),
         ]
         lines += [f"failed       {sid}: {reason}" for sid, reason in self.failures]
         if self.samples_failed > len(self.failures):
-            lines.append(f"             ... and {self.samples_failed - len(self.failures)} more (see the manifest)")
+            lines.append(
+                f"             ... and {self.samples_failed - len(self.failures)} more (see the manifest)"
+            )
         if self.samples_failed:
             lines.append("             failed samples are retried by the next `draftflow extract`")
         return "\n".join(lines)
@@ -105,10 +110,21 @@ class ProgressTracker:
     def _event(self, stage: str, event: str, message: str) -> None:
         if self.callback is None:
             return
-        self.callback(ExtractionProgress(
-            stage, event, message, self.samples_total, self.samples_planned, self.done, self.failed, self.tokens,
-            self.shards_planned, self.shards_done, time.monotonic() - self.started,
-        ))
+        self.callback(
+            ExtractionProgress(
+                stage,
+                event,
+                message,
+                self.samples_total,
+                self.samples_planned,
+                self.done,
+                self.failed,
+                self.tokens,
+                self.shards_planned,
+                self.shards_done,
+                time.monotonic() - self.started,
+            )
+        )
 
     def stage(self, stage: str, message: str) -> None:
         self._event(stage, "stage", message)
@@ -119,8 +135,12 @@ class ProgressTracker:
         self.shards_planned = len(rec.to_generate)
         self.shards_total = len(rec.to_generate) + len(rec.complete_shards)
         self.started = time.monotonic()
-        self._event("extract", "stage", f"{self.shards_planned} of {self.shards_total} shards to (re)generate, "
-                               f"{self.samples_planned} samples")
+        self._event(
+            "extract",
+            "stage",
+            f"{self.shards_planned} of {self.shards_total} shards to (re)generate, "
+            f"{self.samples_planned} samples",
+        )
 
     def sample(self, num_tokens: int, ok: bool) -> None:
         self.done += 1
@@ -132,10 +152,15 @@ class ProgressTracker:
 
     def shard_done(self, result: ShardResult) -> None:
         self.shards_done += 1
-        self._event("extract", "shard", f"shard {result.shard_id} committed ({result.samples_ok} ok, "
-                               f"{result.samples_failed} failed)")
+        self._event(
+            "extract",
+            "shard",
+            f"shard {result.shard_id} committed ({result.samples_ok} ok, {result.samples_failed} failed)",
+        )
 
-    def summary(self, root: str, results: Sequence[ShardResult], vllm_version: str | None) -> ExtractionSummary:
+    def summary(
+        self, root: str, results: Sequence[ShardResult], vllm_version: str | None
+    ) -> ExtractionSummary:
         failures = tuple(f for r in results for f in r.failures)
         return ExtractionSummary(
             data_root=root,

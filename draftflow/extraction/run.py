@@ -74,36 +74,61 @@ def run_extraction(
     launch = recipe.vllm.launch if launch is _RECIPE else launch
     if needs_generation(recipe.data) and not is_prepared(store.layout, store.storage_options):
         tracker.stage("prepare", f"generating data in {store.layout.prepared_dir} (plain vLLM server)")
-        prepare_data(plan, urls, api_key=api_key, storage_options=store.storage_options, launch=launch,
-                     log_dir=log_dir)
+        prepare_data(
+            plan, urls, api_key=api_key, storage_options=store.storage_options, launch=launch, log_dir=log_dir
+        )
     tracker.stage("server", f"checking vLLM at {', '.join(urls)}")
     handle = ensure_running(
-        urls, model=plan.target_model, layer_ids=plan.layer_ids, hidden_size=plan.target.hidden_size,
-        api_key=api_key, launch=launch,
+        urls,
+        model=plan.target_model,
+        layer_ids=plan.layer_ids,
+        hidden_size=plan.target.hidden_size,
+        api_key=api_key,
+        launch=launch,
         # The server computes in the stored dtype, so what is stored is what it computed
         # (FP8: in bf16, quantised when the shard is written).
-        dtype=server_dtype(recipe.extraction.dtype), log_dir=log_dir, staging_dirs=staging_folders(plan),
+        dtype=server_dtype(recipe.extraction.dtype),
+        log_dir=log_dir,
+        staging_dirs=staging_folders(plan),
     )
     with handle:
-        summary = run_coroutine(_extract_missing(
-            plan, store, handle.endpoints, api_key, tracker, verify, shards_in_flight or 2 * len(urls),
-            revive=handle.revive,
-        ))
+        summary = run_coroutine(
+            _extract_missing(
+                plan,
+                store,
+                handle.endpoints,
+                api_key,
+                tracker,
+                verify,
+                shards_in_flight or 2 * len(urls),
+                revive=handle.revive,
+            )
+        )
     return summary.with_server(bool(handle.started), tuple(handle.unverified))
 
 
 async def _extract_missing(
-    plan: Plan, store: Store, endpoints: list[str], api_key: str | None, tracker: ProgressTracker,
-    verify: bool, shards_in_flight: int, revive: Callable[[str], bool] | None = None,
+    plan: Plan,
+    store: Store,
+    endpoints: list[str],
+    api_key: str | None,
+    tracker: ProgressTracker,
+    verify: bool,
+    shards_in_flight: int,
+    revive: Callable[[str], bool] | None = None,
 ) -> ExtractionSummary:
     # Files of clients killed mid-request (never read, never deleted) go first, not only after
     # a run that succeeds; only files far older than any request are touched.
-    early = await asyncio.to_thread(_sweep_staging, staging_folders(plan), plan.recipe.extraction.request_timeout_s)
+    early = await asyncio.to_thread(
+        _sweep_staging, staging_folders(plan), plan.recipe.extraction.request_timeout_s
+    )
     if not await asyncio.to_thread(is_prepared, store.layout, store.storage_options):
         tracker.stage("prepare", f"preparing data in {store.layout.prepared_dir}")
         await _prepare(plan, store, endpoints, api_key)
     await asyncio.to_thread(_write_fingerprint, plan, store)
-    tracker.stage("reconcile", f"reconciling {store.layout.root}" + (" (re-hashing shards)" if verify else ""))
+    tracker.stage(
+        "reconcile", f"reconciling {store.layout.root}" + (" (re-hashing shards)" if verify else "")
+    )
     train = await asyncio.to_thread(train_set, store)
     per_shard = plan.recipe.extraction.samples_per_shard
     rec = await asyncio.to_thread(reconcile, store, train.expected(), per_shard, verify=verify)
@@ -122,13 +147,20 @@ async def _extract_missing(
                     try:
                         async with limit:
                             result = await extract_shard(
-                                plan, store, shard, client, vllm_version=version, train=train,
+                                plan,
+                                store,
+                                shard,
+                                client,
+                                vllm_version=version,
+                                train=train,
                                 on_sample=tracker.sample,
                             )
                         break
                     except (EndpointUnavailable, RequestFailed) as err:
                         # Nothing of the shard was committed: after a restart it runs again whole.
-                        server_side = isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
+                        server_side = (
+                            isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
+                        )
                         if not server_side or attempt >= _MAX_RESTARTS or not await restarts.restart(seen):
                             raise
                 tracker.shard_done(result)
@@ -140,7 +172,9 @@ async def _extract_missing(
             except* Exception as errors:  # committed shards stay; a rerun does the rest
                 raise errors.exceptions[0] from None
             results = [t.result() for t in tasks]
-            swept = await asyncio.to_thread(_sweep_staging, client.staging_dirs, plan.recipe.extraction.request_timeout_s)
+            swept = await asyncio.to_thread(
+                _sweep_staging, client.staging_dirs, plan.recipe.extraction.request_timeout_s
+            )
     swept += early
     tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
     return tracker.summary(store.layout.root, results, version)
@@ -162,7 +196,9 @@ class _Restarts:
             if self.count != seen:
                 return True
             for url in self.endpoints:
-                if not await asyncio.to_thread(is_healthy, url) and not await asyncio.to_thread(self.revive, url):
+                if not await asyncio.to_thread(is_healthy, url) and not await asyncio.to_thread(
+                    self.revive, url
+                ):
                     return False
             self.count += 1
             return True
@@ -174,8 +210,13 @@ def needs_generation(data: DataSection) -> bool:
 
 
 def prepare_data(
-    plan: Plan, endpoints: Sequence[str] | None = None, *, api_key: str | None = None,
-    storage_options: dict | None = None, launch: VLLMLaunchSection | None = None, log_dir: str | None = None,
+    plan: Plan,
+    endpoints: Sequence[str] | None = None,
+    *,
+    api_key: str | None = None,
+    storage_options: dict | None = None,
+    launch: VLLMLaunchSection | None = None,
+    log_dir: str | None = None,
 ) -> bool:
     """Prepare the recipe's data folder unless it is complete; True when work was done.
 
@@ -189,8 +230,14 @@ def prepare_data(
         return False
     urls = list(endpoints or plan.recipe.vllm.endpoints)
     if needs_generation(plan.recipe.data):
-        with ensure_plain_running(urls, model=plan.target_model, api_key=api_key, launch=launch,
-                                  dtype=plan.recipe.extraction.dtype, log_dir=log_dir) as handle:
+        with ensure_plain_running(
+            urls,
+            model=plan.target_model,
+            api_key=api_key,
+            launch=launch,
+            dtype=plan.recipe.extraction.dtype,
+            log_dir=log_dir,
+        ) as handle:
             run_coroutine(_prepare(plan, store, handle.endpoints, api_key))
     else:
         run_coroutine(_prepare(plan, store, urls, api_key))
@@ -211,21 +258,32 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
         return
     per_endpoint = math.ceil(data.regenerate_concurrency / len(endpoints))
     async with VLLMClient(
-        endpoints, api_key=api_key, concurrency=per_endpoint, retries=plan.recipe.extraction.request_retries,
-        timeout_s=plan.recipe.extraction.request_timeout_s, staging_dirs=staging_folders(plan),
+        endpoints,
+        api_key=api_key,
+        concurrency=per_endpoint,
+        retries=plan.recipe.extraction.request_retries,
+        timeout_s=plan.recipe.extraction.request_timeout_s,
+        staging_dirs=staging_folders(plan),
     ) as client:
         turn = itertools.cycle(client.endpoints)
 
         async def generate(messages: list[dict], max_tokens: int) -> str:
             return await client.chat(messages, max_tokens, endpoint=next(turn))
 
-        async def sample(ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int) -> Sampled:
+        async def sample(
+            ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int
+        ) -> Sampled:
             out = await client.sample(ids, max_tokens, temperature, top_p, seed, endpoint=next(turn))
             return Sampled(out.text, out.finish_reason)
 
         await aprepare(
-            data, store.layout, encoder, generate=generate, storage_options=store.storage_options,
-            regenerate_timeout_s=plan.recipe.extraction.request_timeout_s, sample=sample,
+            data,
+            store.layout,
+            encoder,
+            generate=generate,
+            storage_options=store.storage_options,
+            regenerate_timeout_s=plan.recipe.extraction.request_timeout_s,
+            sample=sample,
             progress=_log_progress,
         )
 
@@ -243,7 +301,9 @@ def _write_fingerprint(plan: Plan, store: Store) -> None:
         return
     blob = json.dumps(
         {"fingerprint": plan.fingerprint, "inputs": fingerprint_inputs(plan.recipe, list(plan.layer_ids))},
-        indent=2, sort_keys=True, default=str,
+        indent=2,
+        sort_keys=True,
+        default=str,
     ).encode()
     store.write_atomic(store.layout.fingerprint_file, lambda f: f.write(blob))
 
@@ -253,4 +313,6 @@ def _sweep_staging(staging_dirs: Sequence[str], request_timeout_s: float) -> int
     far older than any request can be are touched, and only in the configured staging folders
     (never in one a server's answer named)."""
     older_than_s = max(_STALE_STAGING_S, 2 * request_timeout_s)
-    return sum(sweep_stale(folder, older_than_s) for folder in sorted(set(staging_dirs)) if os.path.isdir(folder))
+    return sum(
+        sweep_stale(folder, older_than_s) for folder in sorted(set(staging_dirs)) if os.path.isdir(folder)
+    )

@@ -84,7 +84,9 @@ def expected_samples(plan: Plan, store: Store | None = None) -> list[ExpectedSam
 def plan_extraction(plan: Plan, store: Store | None = None, *, verify: bool | str = True) -> Reconciliation:
     """What is present, missing, failed or corrupt, and the shards to (re)generate."""
     store = _store(plan, store)
-    return reconcile(store, expected_samples(plan, store), plan.recipe.extraction.samples_per_shard, verify=verify)
+    return reconcile(
+        store, expected_samples(plan, store), plan.recipe.extraction.samples_per_shard, verify=verify
+    )
 
 
 def plan_shard(plan: Plan, store: Store, shard_id: str, *, verify: bool | str = True) -> PlannedShard | None:

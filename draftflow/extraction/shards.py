@@ -65,8 +65,13 @@ def make_client(plan: Plan, endpoints: Sequence[str], api_key: str | None = None
     """A client with the recipe's request settings that rejects files of the wrong shape."""
     x = plan.recipe.extraction
     return VLLMClient(
-        list(endpoints), api_key=api_key, concurrency=x.concurrency, retries=x.request_retries,
-        timeout_s=x.request_timeout_s, num_layers=len(plan.layer_ids), hidden_size=plan.target.hidden_size,
+        list(endpoints),
+        api_key=api_key,
+        concurrency=x.concurrency,
+        retries=x.request_retries,
+        timeout_s=x.request_timeout_s,
+        num_layers=len(plan.layer_ids),
+        hidden_size=plan.target.hidden_size,
         staging_dirs=staging_folders(plan),
     )
 
@@ -159,7 +164,9 @@ async def extract_shard(
     injected_fault(shard.shard_id)
     info = extraction_info(plan, mode, vllm_version)
     # The write hashes and uploads the shard: off the event loop, so other shards keep extracting.
-    committed = await asyncio.to_thread(write_shard, store, shard.shard_id, samples, info, attempt=shard.attempt)
+    committed = await asyncio.to_thread(
+        write_shard, store, shard.shard_id, samples, info, attempt=shard.attempt
+    )
     good = tuple(s for s in samples if isinstance(s, Sample))
     return ShardResult(
         shard_id=shard.shard_id,
@@ -203,8 +210,13 @@ def extract_shard_by_id(
         progress = stage(f"extract shard {shard_id}", len(planned.sample_ids), unit="samples")
         try:
             async with make_client(plan, endpoints, api_key) as client:
-                return await extract_shard(plan, store, planned, client,
-                                           on_sample=lambda _tokens, ok: progress.advance(failed=int(not ok)))
+                return await extract_shard(
+                    plan,
+                    store,
+                    planned,
+                    client,
+                    on_sample=lambda _tokens, ok: progress.advance(failed=int(not ok)),
+                )
         finally:
             progress.close()
 

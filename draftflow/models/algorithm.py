@@ -73,14 +73,22 @@ class DrafterAlgorithm(ABC):
 
     @classmethod
     @abstractmethod
-    def build(cls, recipe, target_model: str, *, num_context_layers: int, vocab: DraftVocab | None,
-              target_head: nn.Module | None = None) -> DrafterAlgorithm:
+    def build(
+        cls,
+        recipe,
+        target_model: str,
+        *,
+        num_context_layers: int,
+        vocab: DraftVocab | None,
+        target_head: nn.Module | None = None,
+    ) -> DrafterAlgorithm:
         """A fresh drafter for ``recipe`` (its drafter section is of this kind) reading
         ``num_context_layers`` target layers, weights shared with the target read from ``target_model``."""
 
     @classmethod
-    def load(cls, folder: str | Path, *, target: str | Path | None = None,
-             dtype: torch.dtype | None = None) -> DrafterAlgorithm:
+    def load(
+        cls, folder: str | Path, *, target: str | Path | None = None, dtype: torch.dtype | None = None
+    ) -> DrafterAlgorithm:
         """Rebuild the drafter exported in ``folder`` (embeddings from ``target`` or the verifier
         named in config.json when the folder does not ship them)."""
         config, tensors = speculators.read_folder(folder, cls.kind)
@@ -116,8 +124,10 @@ class DrafterAlgorithm(ABC):
 
     def _settings(self) -> TrainSettings:
         if self.settings is None:
-            raise RuntimeError(f"{self.kind}: a drafter loaded from a checkpoint has no training settings; "
-                               "build it from a recipe to train it")
+            raise RuntimeError(
+                f"{self.kind}: a drafter loaded from a checkpoint has no training settings; "
+                "build it from a recipe to train it"
+            )
         return self.settings
 
     # -- export ----------------------------------------------------------------------------
@@ -126,9 +136,16 @@ class DrafterAlgorithm(ABC):
     def config_fields(self, aux_layer_ids: list[int]) -> tuple[dict, dict]:
         """(kind-specific top-level config.json fields, ``transformer_layer_config``)."""
 
-    def export(self, out_dir: str | Path, *, verifier_name_or_path: str, verifier_architectures: list[str],
-               aux_layer_ids: list[int], dtype: torch.dtype | None = None,
-               include_embeddings: bool = False) -> Path:
+    def export(
+        self,
+        out_dir: str | Path,
+        *,
+        verifier_name_or_path: str,
+        verifier_architectures: list[str],
+        aux_layer_ids: list[int],
+        dtype: torch.dtype | None = None,
+        include_embeddings: bool = False,
+    ) -> Path:
         """Write ``config.json`` + ``model.safetensors`` that ``vllm serve out_dir`` loads.
 
         dtype: weight dtype on disk (default: the model's). include_embeddings: also ship the
@@ -137,13 +154,21 @@ class DrafterAlgorithm(ABC):
         dtype = dtype or self.model.fc.weight.dtype
         fields, layer_config = self.config_fields(list(aux_layer_ids))
         config = speculators.envelope(
-            model_type=self.kind, architecture=self.architecture, speculative_tokens=self.speculative_tokens,
-            verifier_name_or_path=verifier_name_or_path, verifier_architectures=verifier_architectures,
-            transformer_layer_config=layer_config, dtype=dtype, fields=fields,
+            model_type=self.kind,
+            architecture=self.architecture,
+            speculative_tokens=self.speculative_tokens,
+            verifier_name_or_path=verifier_name_or_path,
+            verifier_architectures=verifier_architectures,
+            transformer_layer_config=layer_config,
+            dtype=dtype,
+            fields=fields,
         )
-        tensors = speculators.export_weights(self.model.state_dict(), dtype=dtype,
-                                             identity_vocab=self.vocab.is_identity,
-                                             include_embeddings=include_embeddings)
+        tensors = speculators.export_weights(
+            self.model.state_dict(),
+            dtype=dtype,
+            identity_vocab=self.vocab.is_identity,
+            include_embeddings=include_embeddings,
+        )
         return speculators.write_folder(out_dir, config, tensors)
 
     # -- contract checks (kind-specific parts) ---------------------------------------------

@@ -90,7 +90,9 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
 
 
-def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def dense_attention_lse(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
     """Softmax attention with an explicit boolean mask; GQA by head grouping.
 
     q: [Bt, Q, nh, hd]; k, v: [Bt, K, nkv, hd]; visible: broadcastable to [Bt, Q, K].
@@ -116,7 +118,9 @@ def dense_attention_lse(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale:
     return out.to(q.dtype), lse
 
 
-def _range_chunk(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _range_chunk(
+    q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
     idx = torch.arange(k.shape[1], device=k.device)
     visible = (idx >= lo[..., None]) & (idx < hi[..., None])  # [Bt, Qc, W]
     return dense_attention_lse(q, k, v, visible, scale)
@@ -169,8 +173,9 @@ def flex_attention_fn(device: torch.device):
     return _compiled_flex
 
 
-def range_attention_flex(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor,
-                         scale: float) -> tuple[Tensor, Tensor]:
+def range_attention_flex(
+    q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
     """Range attention through flex_attention with a block mask (same contract as dense)."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
@@ -180,11 +185,15 @@ def range_attention_flex(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor
     def mask_mod(b, h, qi, ki):
         return (ki >= lo[b, qi]) & (ki < hi[b, qi])
 
-    mask = create_block_mask(mask_mod, bt, None, nq, nk, device=q.device,
-                             _compile=q.device.type != "cpu")
+    mask = create_block_mask(mask_mod, bt, None, nq, nk, device=q.device, _compile=q.device.type != "cpu")
     out, aux = flex_attention_fn(q.device)(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale,
-        enable_gqa=nh != k.shape[2], return_aux=AuxRequest(lse=True),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=nh != k.shape[2],
+        return_aux=AuxRequest(lse=True),
     )
     empty = (hi <= lo)[..., None]  # flex leaves fully masked rows to the kernel; pin them down
     out = out.transpose(1, 2).masked_fill(empty[..., None], 0.0)

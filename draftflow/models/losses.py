@@ -67,10 +67,10 @@ class _GatheredSoftCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(lse)
         buf = probs.new_empty(min(chunk, n), probs.shape[1])
         for s in range(0, n, chunk):
-            x = logits[s:s + chunk].float()
-            p = torch.index_select(probs, 0, index[s:s + chunk], out=buf[:x.shape[0]])
-            lse[s:s + chunk] = torch.logsumexp(x, -1)
-            out[s:s + chunk] = lse[s:s + chunk] - torch.linalg.vecdot(x, p)
+            x = logits[s : s + chunk].float()
+            p = torch.index_select(probs, 0, index[s : s + chunk], out=buf[: x.shape[0]])
+            lse[s : s + chunk] = torch.logsumexp(x, -1)
+            out[s : s + chunk] = lse[s : s + chunk] - torch.linalg.vecdot(x, p)
         ctx.save_for_backward(logits, probs, index, lse)
         ctx.chunk = chunk
         return out
@@ -84,13 +84,14 @@ class _GatheredSoftCrossEntropy(torch.autograd.Function):
             e = s + ctx.chunk
             g = grad[s:e]
             torch.sub(logits[s:e].float(), lse[s:e, None], out=g)
-            g.exp_().sub_(torch.index_select(probs, 0, index[s:e], out=buf[:g.shape[0]]))
+            g.exp_().sub_(torch.index_select(probs, 0, index[s:e], out=buf[: g.shape[0]]))
             g.mul_(grad_out[s:e, None])
         return grad.to(logits.dtype), None, None, None
 
 
-def soft_cross_entropy_gathered(logits: Tensor, target_probs: Tensor, index: Tensor,
-                                chunk_rows: int = 512) -> Tensor:
+def soft_cross_entropy_gathered(
+    logits: Tensor, target_probs: Tensor, index: Tensor, chunk_rows: int = 512
+) -> Tensor:
     """Per-item soft CE [...] of ``logits`` [..., V] to the rows ``target_probs[index]``.
 
     target_probs: [U, V] distributions (no gradient), shared by items with the same index
@@ -103,8 +104,9 @@ def soft_cross_entropy_gathered(logits: Tensor, target_probs: Tensor, index: Ten
     return out.view(index.shape)
 
 
-def target_probs(target_head, last_hidden: Tensor, index: Tensor,
-                 keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def target_probs(
+    target_head, last_hidden: Tensor, index: Tensor, keep: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """The target's distributions at positions ``index`` [Bt, N] of ``last_hidden`` [Bt, T, H]:
     (probs [U, V], rows [Bt, N]) for :func:`soft_cross_entropy_gathered`. Items outside
     ``keep`` [Bt, N] (default: all) need not be computed; their rows point anywhere.

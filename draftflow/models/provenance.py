@@ -19,9 +19,20 @@ from torch import Tensor
 from draftflow.models import kinds
 from draftflow.paths import PROVENANCE
 
-PROVENANCE_FIELDS = ("recipe_name", "fingerprint", "drafter", "verifier", "extracted_layer_ids",
-                     "aux_layer_ids", "mask_token_id", "draft_vocab_size", "d2t_sha256", "speculative_tokens",
-                     "target_hidden_size", "target_vocab_size")
+PROVENANCE_FIELDS = (
+    "recipe_name",
+    "fingerprint",
+    "drafter",
+    "verifier",
+    "extracted_layer_ids",
+    "aux_layer_ids",
+    "mask_token_id",
+    "draft_vocab_size",
+    "d2t_sha256",
+    "speculative_tokens",
+    "target_hidden_size",
+    "target_vocab_size",
+)
 
 
 def d2t_digest(d2t: Tensor) -> str:

@@ -47,27 +47,57 @@ def check_aux_layer_ids(ids: list[int], expected: int) -> list[int]:
     return ids
 
 
-def layer_config(*, model_type: str, vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
-                 num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float, rope_theta: float,
-                 max_position_embeddings: int, **extra) -> dict:
+def layer_config(
+    *,
+    model_type: str,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rms_norm_eps: float,
+    rope_theta: float,
+    max_position_embeddings: int,
+    **extra,
+) -> dict:
     """``transformer_layer_config``: an HF config of the drafter's decoder layers."""
     return {
-        "model_type": model_type, "vocab_size": vocab_size, "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
-        "hidden_act": "silu", "rms_norm_eps": rms_norm_eps, "max_position_embeddings": max_position_embeddings,
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": rms_norm_eps,
+        "max_position_embeddings": max_position_embeddings,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, **extra,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        **extra,
     }
 
 
 def shared_layer_config(cfg, *, model_type: str, num_layers: int, **extra) -> dict:
     """:func:`layer_config` from a drafter config dataclass with the fields both kinds share."""
     return layer_config(
-        model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_layers=num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings, **extra,
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        **extra,
     )
 
 
@@ -81,8 +111,9 @@ def shared_config_fields(config: dict) -> dict:
         "intermediate_size": int(layer["intermediate_size"]),
         "num_heads": int(layer["num_attention_heads"]),
         "num_kv_heads": int(layer["num_key_value_heads"]),
-        "head_dim": int(layer.get("head_dim")
-                        or int(layer["hidden_size"]) // int(layer["num_attention_heads"])),
+        "head_dim": int(
+            layer.get("head_dim") or int(layer["hidden_size"]) // int(layer["num_attention_heads"])
+        ),
         "vocab_size": vocab,
         "draft_vocab_size": int(config.get("draft_vocab_size") or vocab),
         "rms_norm_eps": float(layer["rms_norm_eps"]),
@@ -91,9 +122,17 @@ def shared_config_fields(config: dict) -> dict:
     }
 
 
-def envelope(*, model_type: str, architecture: str, speculative_tokens: int, verifier_name_or_path: str,
-             verifier_architectures: list[str], transformer_layer_config: dict, dtype: torch.dtype,
-             fields: dict) -> dict:
+def envelope(
+    *,
+    model_type: str,
+    architecture: str,
+    speculative_tokens: int,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str],
+    transformer_layer_config: dict,
+    dtype: torch.dtype,
+    fields: dict,
+) -> dict:
     if not verifier_name_or_path:
         raise ValueError("verifier_name_or_path is required (vLLM serves that model as the target)")
     return {
@@ -105,17 +144,26 @@ def envelope(*, model_type: str, architecture: str, speculative_tokens: int, ver
         "speculators_config": {
             "algorithm": model_type,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": str(verifier_name_or_path),
-                         "architectures": list(verifier_architectures)},
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(speculative_tokens),
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "name_or_path": str(verifier_name_or_path),
+                "architectures": list(verifier_architectures),
+            },
         },
         "transformer_layer_config": transformer_layer_config,
     }
 
 
-def export_weights(state: dict[str, Tensor], *, dtype: torch.dtype, identity_vocab: bool,
-                   include_embeddings: bool) -> dict[str, Tensor]:
+def export_weights(
+    state: dict[str, Tensor], *, dtype: torch.dtype, identity_vocab: bool, include_embeddings: bool
+) -> dict[str, Tensor]:
     """The tensors of model.safetensors: vLLM names, floats cast to ``dtype``."""
     out = {}
     for name, tensor in state.items():
@@ -141,8 +189,10 @@ def write_folder(out_dir: str | Path, config: dict, tensors: dict[str, Tensor]) 
 def read_config(folder: str | Path, expected_type: str | None = None) -> dict:
     config = json.loads((Path(folder) / EXPORT_CONFIG).read_text())
     if expected_type is not None and config.get("speculators_model_type") != expected_type:
-        raise ValueError(f"{folder}: speculators_model_type is {config.get('speculators_model_type')!r}, "
-                         f"expected {expected_type!r}")
+        raise ValueError(
+            f"{folder}: speculators_model_type is {config.get('speculators_model_type')!r}, "
+            f"expected {expected_type!r}"
+        )
     return config
 
 

@@ -112,8 +112,15 @@ def rope_theta(cfg: dict, default: float = 10000.0) -> float:
 class TargetHead(nn.Module):
     """Frozen ``lm_head(final_norm(h))`` of the target, over the draft vocabulary only."""
 
-    def __init__(self, norm_weight: Tensor, head_rows: Tensor, eps: float, *, norm_offset: float = 0.0,
-                 softcap: float | None = None):
+    def __init__(
+        self,
+        norm_weight: Tensor,
+        head_rows: Tensor,
+        eps: float,
+        *,
+        norm_offset: float = 0.0,
+        softcap: float | None = None,
+    ):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight.float())
         self.register_buffer("head", head_rows.float())  # [draft_vocab, H]
@@ -127,26 +134,36 @@ class TargetHead(nn.Module):
         head = load_lm_head(model_dir)
         if vocab is not None:
             if vocab.target_vocab_size != head.shape[0]:
-                raise ValueError(f"draft vocab is over {vocab.target_vocab_size} tokens, target has {head.shape[0]}")
+                raise ValueError(
+                    f"draft vocab is over {vocab.target_vocab_size} tokens, target has {head.shape[0]}"
+                )
             head = head[vocab.target_ids()]
         return cls(
-            load_final_norm(model_dir), head, float(cfg.get("rms_norm_eps", 1e-6)),
-            norm_offset=norm_offset(cfg), softcap=cfg.get("final_logit_softcapping"),
+            load_final_norm(model_dir),
+            head,
+            float(cfg.get("rms_norm_eps", 1e-6)),
+            norm_offset=norm_offset(cfg),
+            softcap=cfg.get("final_logit_softcapping"),
         )
 
     @torch.no_grad()
     def forward(self, last_hidden: Tensor) -> Tensor:
         """last_hidden [..., H] (before the final norm) → logits [..., draft_vocab] fp32."""
         x = last_hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.norm_weight + self.norm_offset)
+        x = (
+            x
+            * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            * (self.norm_weight + self.norm_offset)
+        )
         logits = x @ self.head.T
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
     @torch.no_grad()
-    def probs_at(self, last_hidden: Tensor, index: Tensor,
-                 keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def probs_at(
+        self, last_hidden: Tensor, index: Tensor, keep: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """The target's distributions at ``index`` [Bt, N] (positions into the T axis of
         ``last_hidden`` [Bt, T, H]), each distinct position computed once.
 

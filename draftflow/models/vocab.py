@@ -101,8 +101,9 @@ def build_draft_vocab(
     return DraftVocab.from_target_ids(order[:draft_vocab_size], target_vocab_size)
 
 
-def save_draft_vocab(vocab: DraftVocab, path: str, *, fingerprint: str = "",
-                     storage_options: dict | None = None) -> None:
+def save_draft_vocab(
+    vocab: DraftVocab, path: str, *, fingerprint: str = "", storage_options: dict | None = None
+) -> None:
     """Write d2t/t2d as safetensors (local path or fsspec URL) with size + fingerprint metadata."""
     from safetensors.torch import save
 
@@ -143,11 +144,14 @@ def load_draft_vocab(
     if recorded is None or recorded != _tensors_digest(tensors):
         raise CorruptDraftVocab(
             f"{path}: d2t/t2d do not match the sha256 recorded when the file was written"
-            + (" (none recorded)" if recorded is None else "") + "; it is rebuilt from the token counts"
+            + (" (none recorded)" if recorded is None else "")
+            + "; it is rebuilt from the token counts"
         )
     vocab = DraftVocab(tensors["d2t"].long(), tensors["t2d"].bool())
     if draft_vocab_size is not None and vocab.draft_vocab_size != draft_vocab_size:
-        raise ValueError(f"{path}: draft vocab has {vocab.draft_vocab_size} tokens, expected {draft_vocab_size}")
+        raise ValueError(
+            f"{path}: draft vocab has {vocab.draft_vocab_size} tokens, expected {draft_vocab_size}"
+        )
     if fingerprint is not None and metadata.get("fingerprint") != fingerprint:
         raise ValueError(f"{path}: built from data {metadata.get('fingerprint')!r}, expected {fingerprint!r}")
     return vocab

@@ -48,7 +48,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         # The value itself is not echoed when it may be a secret (launch env, --api-key, ...).
-        raise RecipeError(f"--set {redact_override(item)!r}: value is not valid YAML ({err.problem})") from None
+        raise RecipeError(
+            f"--set {redact_override(item)!r}: value is not valid YAML ({err.problem})"
+        ) from None
     return key.strip().split("."), value
 
 

@@ -65,7 +65,9 @@ class SelfGeneratedSection(Section):
         3.0, ge=1, description="Give up after num_prompts * this many attempts (an error if none was kept)."
     )
     near_duplicate_threshold: float = Field(
-        0.7, gt=0, le=1,
+        0.7,
+        gt=0,
+        le=1,
         description="Estimated Jaccard similarity of word 3-grams from which a prompt is a near duplicate.",
     )
 
@@ -206,15 +208,14 @@ class DFlashSection(Section):
     loss_decay_gamma: float | None = Field(
         None, gt=0, description="w_k = exp(-(k-1)/gamma); default 4 for B<=8, 7 above."
     )
-    mask_token_id: int | None = Field(
-        None, ge=0, description="Default: the tokenizer's mask or pad token."
-    )
+    mask_token_id: int | None = Field(None, ge=0, description="Default: the tokenizer's mask or pad token.")
     context_layer_ids: list[int] | None = Field(
         None, description="Extracted layers the drafter reads; default: all but the last layer L."
     )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each decoder layer in backward: far less memory at many anchors, "
-        "about a third more compute (bench/gpu.py measures both)."
+        False,
+        description="Recompute each decoder layer in backward: far less memory at many anchors, "
+        "about a third more compute (bench/gpu.py measures both).",
     )
 
     @property
@@ -275,8 +276,11 @@ class TrainingSection(Section):
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(0, ge=0, description="Steps; 0 = only at each epoch end.")
     validation_fraction: float = Field(
-        0.05, ge=0, lt=1, description="Share of the stored train samples held out (chosen by a hash of the "
-        "sample id, never trained on) to measure acceptance during training; 0 = no validation."
+        0.05,
+        ge=0,
+        lt=1,
+        description="Share of the stored train samples held out (chosen by a hash of the "
+        "sample id, never trained on) to measure acceptance during training; 0 = no validation.",
     )
     validation_max_samples: int = Field(64, ge=0, description="At most this many validation samples.")
     eval_every: int = Field(
@@ -284,7 +288,9 @@ class TrainingSection(Section):
     )
     run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
     max_missing_fraction: float = Field(
-        0.0, ge=0, lt=1,
+        0.0,
+        ge=0,
+        lt=1,
         description="Share of train samples the trainer may leave out when the store lacks them (missing, "
         "failed extraction, broken shard) in offline mode; they are listed in the run's skipped-samples.json.",
     )
@@ -309,8 +315,9 @@ class EvaluationSection(Section):
     )
     in_vllm: bool = True
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
-        "held_out", description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
-        "the project's own 65 prompts in 5 categories (never trained on), τ reported per category."
+        "held_out",
+        description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
+        "the project's own 65 prompts in 5 categories (never trained on), τ reported per category.",
     )
     prompts_per_category: int | None = Field(
         None, ge=1, description="draftflow-eval only: the first N prompts of each category; None = all."

@@ -16,6 +16,7 @@ run on S3, GCS, Azure, NFS and /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -28,7 +29,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from draftflow import paths
 from draftflow.paths import DataLayout
-import contextlib
 
 # Streamed reads (checksums) use this chunk size: large enough for object stores, small in RAM.
 READ_CHUNK = 8 << 20

@@ -29,8 +29,8 @@ import torch
 
 from draftflow import paths
 from draftflow.store.backend import Store
-from draftflow.store.manifest import STATUS_OK, read_manifest
 from draftflow.store.fp8 import DECODE_DTYPE
+from draftflow.store.manifest import STATUS_OK, read_manifest
 from draftflow.store.shard import Sample, SampleSpans, TensorSpan, sample_from
 
 Verify = Literal["shard", "sample", "none"]
@@ -117,7 +117,11 @@ def _rows(manifest: pa.Table, column: str, value: str) -> list[dict]:
 
 
 def load_sample(
-    store: Store, manifest: pa.Table, sample_id: str, *, verify: Verify = "shard",
+    store: Store,
+    manifest: pa.Table,
+    sample_id: str,
+    *,
+    verify: Verify = "shard",
     decode_dtype: torch.dtype = DECODE_DTYPE,
 ) -> Sample:
     """One sample's tensors, read with a single range read of its bytes (after the shard check).
@@ -151,7 +155,11 @@ def _read_whole(store: Store, url: str) -> bytearray | mmap.mmap:
 
 
 def iter_shard(
-    store: Store, manifest: pa.Table, shard_id: str, *, verify: Verify = "shard",
+    store: Store,
+    manifest: pa.Table,
+    shard_id: str,
+    *,
+    verify: Verify = "shard",
     decode_dtype: torch.dtype = DECODE_DTYPE,
 ) -> Iterator[Sample]:
     """The successful samples of one shard, in order, from one sequential read of the shard.

@@ -249,10 +249,12 @@ def write_shard_stream(
         put(bytes(pad))
         sample_hashes.append(sample_hash.hexdigest())
     spans = tuple(
-        SampleSpans(*(
-            TensorSpan(data_start + s[name].offset, s[name].length)
-            for name in ("token_ids", "hidden_states", "loss_mask")
-        ))
+        SampleSpans(
+            *(
+                TensorSpan(data_start + s[name].offset, s[name].length)
+                for name in ("token_ids", "hidden_states", "loss_mask")
+            )
+        )
         for s in rel_spans
     )
     return WrittenShard(data_start + pos, shard_hash.hexdigest(), spans, tuple(sample_hashes))
@@ -310,7 +312,10 @@ def sample_from(
         scales = spans.hidden_scales(num_tokens, n_layers)
         hidden = fp8.dequantise(
             tensor_from(
-                buf, spans.hidden_states.offset - base, spans.hidden_states.length, fmt.torch_dtype,
+                buf,
+                spans.hidden_states.offset - base,
+                spans.hidden_states.length,
+                fmt.torch_dtype,
                 [num_tokens, n_layers, hidden_size],
             ),
             tensor_from(buf, scales.offset - base, scales.length, fp8.SCALE_DTYPE[0], [num_tokens, n_layers]),

@@ -280,8 +280,11 @@ def store_clock(store: Store) -> float:
     url = paths.temp_sibling(paths.join(store.layout.shards_dir, "clock"), new_token())
     store.write_atomic(url, lambda f: f.write(b""))
     try:
-        entry = next(e for e in store.list(store.layout.shards_dir, paths.TEMP_SUFFIX, include_temp=True)
-                     if e.url == url)
+        entry = next(
+            e
+            for e in store.list(store.layout.shards_dir, paths.TEMP_SUFFIX, include_temp=True)
+            if e.url == url
+        )
         return entry.modified
     finally:
         store.delete(url)

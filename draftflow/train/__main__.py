@@ -32,8 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--run-id", default="default", help="runs with the same id resume each other")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
-    p.add_argument("--force-new", action="store_true",
-                   help="move this run id's earlier files aside (RUN_ID.replaced-TIME) and start again")
+    p.add_argument(
+        "--force-new",
+        action="store_true",
+        help="move this run id's earlier files aside (RUN_ID.replaced-TIME) and start again",
+    )
     p.add_argument("--no-export", action="store_true")
     return p.parse_args(argv)
 
@@ -74,21 +77,37 @@ def _train(args, argv, plan, layout, runtime) -> int:
     source = open_source(plan)
     run_state.record_skipped(layout, runtime, source.skipped)
     run_state.check_settings_agreed(
-        layout, runtime, run_state.run_settings(plan.recipe, runtime.world_size, list(source.skipped)))
+        layout, runtime, run_state.run_settings(plan.recipe, runtime.world_size, list(source.skipped))
+    )
     monitor, train_items = Monitor.for_plan(plan, setup, source, layout, runtime)
-    result = loop.train(setup, source, layout, runtime, plan.recipe.training, max_steps=args.max_steps,
-                        monitor=monitor, train_items=train_items)
+    result = loop.train(
+        setup,
+        source,
+        layout,
+        runtime,
+        plan.recipe.training,
+        max_steps=args.max_steps,
+        monitor=monitor,
+        train_items=train_items,
+    )
     export_dir, selected = None, None
     if runtime.is_main and not result.interrupted and not args.no_export:
         selected = _select(setup, layout, result.steps, monitor)
         export_dir = _export(setup, plan, layout.export_dir, argv)
         _write_selection(export_dir, selected)
     if runtime.is_main:
-        summary = {"steps": result.steps, "resumed_from": result.resumed_from,
-                   "torn_checkpoints": result.torn_checkpoints, "skipped_samples": len(source.skipped),
-                   "interrupted": result.interrupted, "run_dir": layout.root,
-                   "export_dir": export_dir, "metrics": result.last_metrics, "selected": selected,
-                   "training_curves": layout.training_curves if monitor.validations else None}
+        summary = {
+            "steps": result.steps,
+            "resumed_from": result.resumed_from,
+            "torn_checkpoints": result.torn_checkpoints,
+            "skipped_samples": len(source.skipped),
+            "interrupted": result.interrupted,
+            "run_dir": layout.root,
+            "export_dir": export_dir,
+            "metrics": result.last_metrics,
+            "selected": selected,
+            "training_curves": layout.training_curves if monitor.validations else None,
+        }
         print(RESULT_PREFIX + json.dumps(summary), flush=True)
     return EXIT_INTERRUPTED if result.interrupted else 0
 
@@ -101,11 +120,19 @@ def _select(setup, layout, last_step: int, monitor) -> dict:
     if best is None:
         selected = {"step": last_step, "reason": "last step (no validation split)", "val_tau": None}
     else:
-        selected = {"step": best.step, "val_tau": best.tau, "last_step": last_step,
-                    "validations": monitor.validations,
-                    "reason": "best validation τ (teacher-forced, see draftflow/train/validation.py)"}
-    print(f"exporting the weights of step {selected['step']}: {selected['reason']}"
-          + (f", validation τ {best.tau:.4f}" if best else ""), file=sys.stderr, flush=True)
+        selected = {
+            "step": best.step,
+            "val_tau": best.tau,
+            "last_step": last_step,
+            "validations": monitor.validations,
+            "reason": "best validation τ (teacher-forced, see draftflow/train/validation.py)",
+        }
+    print(
+        f"exporting the weights of step {selected['step']}: {selected['reason']}"
+        + (f", validation τ {best.tau:.4f}" if best else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     return selected
 
 

@@ -22,8 +22,8 @@ from draftflow.train.packing import Item, epoch_order, global_steps, pack, rank_
 class SampleLike(Protocol):
     sample_id: str
     hidden_states: torch.Tensor  # [T, n_extracted_layers, H]
-    token_ids: torch.Tensor      # [T]
-    loss_mask: torch.Tensor      # [T]
+    token_ids: torch.Tensor  # [T]
+    loss_mask: torch.Tensor  # [T]
 
 
 class Source(Protocol):
@@ -36,14 +36,16 @@ class LayerSelection:
     """Which extracted layers feed the drafter, and which one is the verifier's last state."""
 
     context: tuple[int, ...]  # indices into the extracted layer axis
-    last: int | None          # index of layer L, for the target-logits loss
+    last: int | None  # index of layer L, for the target-logits loss
 
 
 def collate(samples: list[SampleLike], layers: LayerSelection, with_last: bool) -> PackedBatch:
     """One pack (documents end to end) → a single-row PackedBatch."""
     ids = torch.cat([s.token_ids.long() for s in samples])[None]
     mask = torch.cat([s.loss_mask.to(torch.uint8) for s in samples])[None]
-    doc = torch.cat([torch.full((len(s.token_ids),), i, dtype=torch.long) for i, s in enumerate(samples)])[None]
+    doc = torch.cat([torch.full((len(s.token_ids),), i, dtype=torch.long) for i, s in enumerate(samples)])[
+        None
+    ]
     hidden = torch.cat([s.hidden_states[:, list(layers.context)] for s in samples])[None]
     last = None
     if with_last:
@@ -70,8 +72,16 @@ class StepPlan:
     world_size: int
 
     @classmethod
-    def build(cls, source_items: list[tuple[str, int]], *, epochs: int, seed: int, pack_length: int,
-              batch_size: int, world_size: int) -> StepPlan:
+    def build(
+        cls,
+        source_items: list[tuple[str, int]],
+        *,
+        epochs: int,
+        seed: int,
+        pack_length: int,
+        batch_size: int,
+        world_size: int,
+    ) -> StepPlan:
         items = [Item(sid, n) for sid, n in source_items]
         plan = cls([], epochs, seed, items, pack_length, batch_size, world_size)
         plan.epoch_lengths = [len(plan.steps(e)) for e in range(epochs)]
@@ -103,8 +113,19 @@ class RankBatch:
 class StepLoader:
     """Iterates (from a resume position) over this rank's batches, loading ahead in a thread."""
 
-    def __init__(self, plan: StepPlan, source: Source, layers: LayerSelection, *, rank: int, world_size: int,
-                 with_last: bool, start_epoch: int = 0, start_step: int = 0, depth: int = 2):
+    def __init__(
+        self,
+        plan: StepPlan,
+        source: Source,
+        layers: LayerSelection,
+        *,
+        rank: int,
+        world_size: int,
+        with_last: bool,
+        start_epoch: int = 0,
+        start_step: int = 0,
+        depth: int = 2,
+    ):
         self.plan, self.source, self.layers = plan, source, layers
         self.rank, self.world_size, self.with_last = rank, world_size, with_last
         self.start = (start_epoch, start_step)
@@ -122,7 +143,9 @@ class StepLoader:
 
     def _load(self, spec: list) -> RankBatch:
         epoch, step_idx, mine, indices = spec
-        packs = [collate(self.source.load([i.sample_id for i in p]), self.layers, self.with_last) for p in mine]
+        packs = [
+            collate(self.source.load([i.sample_id for i in p]), self.layers, self.with_last) for p in mine
+        ]
         return RankBatch(epoch, step_idx, packs, indices, sum(i.num_tokens for p in mine for i in p))
 
     def __iter__(self) -> Iterator[RankBatch]:

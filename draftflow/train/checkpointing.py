@@ -38,8 +38,8 @@ MARKER_FORMAT = 1
 
 @dataclass
 class TrainState:
-    step: int = 0        # optimizer steps done
-    epoch: int = 0       # epoch in progress
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch in progress
     epoch_step: int = 0  # steps done inside that epoch (the data position)
 
 
@@ -103,8 +103,11 @@ def save(layout: RunLayout, model: torch.nn.Module, optimizer, scheduler, state:
     for name, data in files.items():
         put_whole(join(folder, name), data)
     _fsync_dir(folder)  # every file durable before the marker that vouches for them
-    record = {"format": MARKER_FORMAT, "step": state.step,
-              "files": {name: {"size": len(data), "sha256": _digest(data)} for name, data in files.items()}}
+    record = {
+        "format": MARKER_FORMAT,
+        "step": state.step,
+        "files": {name: {"size": len(data), "sha256": _digest(data)} for name, data in files.items()},
+    }
     put_whole(marker, json.dumps(record, indent=1).encode())
     _fsync_dir(folder)
     return folder
@@ -120,8 +123,12 @@ def _serialise(model, optimizer, scheduler, state: TrainState) -> dict[str, byte
     rng_buf = io.BytesIO()
     torch.save(rng, rng_buf)
     meta = {"state": asdict(state), "python_random": _py_rng_state()}
-    return {WEIGHTS: save_safetensors(trainable), OPTIMIZER: buf.getvalue(), RNG: rng_buf.getvalue(),
-            STATE: json.dumps(meta).encode()}
+    return {
+        WEIGHTS: save_safetensors(trainable),
+        OPTIMIZER: buf.getvalue(),
+        RNG: rng_buf.getvalue(),
+        STATE: json.dumps(meta).encode(),
+    }
 
 
 def _py_rng_state() -> list:
@@ -145,8 +152,10 @@ def read_verified(folder: str) -> dict[str, bytes]:
         except FileNotFoundError:
             raise TornCheckpoint(f"{name} is missing") from None
         if len(data) != want["size"] or _digest(data) != want["sha256"]:
-            raise TornCheckpoint(f"{name} has {len(data)} bytes, sha256 {_digest(data)[:12]}…; "
-                                 f"{CHECKPOINT_COMPLETE} records {want['size']} bytes, {want['sha256'][:12]}…")
+            raise TornCheckpoint(
+                f"{name} has {len(data)} bytes, sha256 {_digest(data)[:12]}…; "
+                f"{CHECKPOINT_COMPLETE} records {want['size']} bytes, {want['sha256'][:12]}…"
+            )
         files[name] = data
     return files
 
@@ -173,8 +182,12 @@ def find_resumable(layout: RunLayout) -> Resumable:
             files = read_verified(folder)
         except TornCheckpoint as err:
             torn.append(f"step-{step:08d}: {err}")
-            print(f"draftflow.train: checkpoint {folder} is torn ({err}); falling back to the previous "
-                  "complete checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"draftflow.train: checkpoint {folder} is torn ({err}); falling back to the previous "
+                "complete checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         return Resumable(folder, step, files, torn)
     return Resumable(None, None, {}, torn)
@@ -188,8 +201,9 @@ class CheckpointUnreadable(RuntimeError):
     """A rank cannot read the checkpoint that rank 0 chose to resume from."""
 
 
-def resume(layout: RunLayout, runtime, model: torch.nn.Module, optimizer, scheduler
-           ) -> tuple[Resumable, TrainState]:
+def resume(
+    layout: RunLayout, runtime, model: torch.nn.Module, optimizer, scheduler
+) -> tuple[Resumable, TrainState]:
     """Rank 0 chooses the checkpoint and broadcasts its step; every rank loads that one.
 
     Ranks that listed the folder themselves could disagree (a marker written between two
@@ -213,7 +227,8 @@ def resume(layout: RunLayout, runtime, model: torch.nn.Module, optimizer, schedu
         detail = f": {error}" if error else ""
         raise CheckpointUnreadable(
             f"rank(s) {failing} cannot read checkpoint {folder}, which rank 0 chose to resume from{detail}. "
-            "Every rank must see training.run_dir (shared storage); each failing rank logs its reason")
+            "Every rank must see training.run_dir (shared storage); each failing rank logs its reason"
+        )
     if runtime.is_main:
         found.folder = folder
     else:

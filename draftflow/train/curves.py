@@ -18,13 +18,25 @@ def plot_training_curves(records: Sequence[dict], path: str, best_step: int | No
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue")
     ax_loss.set_ylabel("training loss")
     ax_loss.set_title("Training loss and validation acceptance")
-    ax_tau.plot([r["step"] for r in val], [r["val_tau"] for r in val], marker="o", color="tab:green",
-                label="validation τ (teacher-forced)")
+    ax_tau.plot(
+        [r["step"] for r in val],
+        [r["val_tau"] for r in val],
+        marker="o",
+        color="tab:green",
+        label="validation τ (teacher-forced)",
+    )
     if best_step is not None:
         best = [r for r in val if r["step"] == best_step]
         if best:
-            ax_tau.scatter([best_step], [best[-1]["val_tau"]], s=120, facecolors="none", edgecolors="tab:red",
-                           label=f"best, exported (step {best_step})", zorder=3)
+            ax_tau.scatter(
+                [best_step],
+                [best[-1]["val_tau"]],
+                s=120,
+                facecolors="none",
+                edgecolors="tab:red",
+                label=f"best, exported (step {best_step})",
+                zorder=3,
+            )
     ax_tau.set_xlabel("step")
     ax_tau.set_ylabel("validation τ")
     if val:

@@ -24,8 +24,14 @@ from draftflow.models.common import PackedBatch
 from draftflow.models.losses import LossOutput
 from draftflow.models.provenance import write_provenance
 from draftflow.models.target_weights import TargetHead
-from draftflow.models.vocab import (CorruptDraftVocab, DraftVocab, build_draft_vocab, counts_tensor,
-                                    load_draft_vocab, save_draft_vocab)
+from draftflow.models.vocab import (
+    CorruptDraftVocab,
+    DraftVocab,
+    build_draft_vocab,
+    counts_tensor,
+    load_draft_vocab,
+    save_draft_vocab,
+)
 from draftflow.paths import EXPORT_COMMAND, EXPORT_RECIPE
 from draftflow.plan import Plan
 from draftflow.recipe.redact import redact_args, redact_override, redacted_recipe
@@ -56,15 +62,18 @@ def layer_selection(plan: Plan) -> LayerSelection:
     )
 
 
-def draft_vocab(plan: Plan, *, storage_options: dict | None = None, write_cache: bool = True) -> DraftVocab | None:
+def draft_vocab(
+    plan: Plan, *, storage_options: dict | None = None, write_cache: bool = True
+) -> DraftVocab | None:
     """The top-k vocabulary over loss-masked train tokens, cached per size and data fingerprint."""
     size = plan.recipe.drafter.draft_vocab_size
     if size is None or size >= plan.target.vocab_size:
         return None
     path = plan.data.draft_vocab(size)
     try:
-        return load_draft_vocab(path, draft_vocab_size=size, fingerprint=plan.fingerprint,
-                                storage_options=storage_options)
+        return load_draft_vocab(
+            path, draft_vocab_size=size, fingerprint=plan.fingerprint, storage_options=storage_options
+        )
     except FileNotFoundError:
         pass
     except CorruptDraftVocab as err:  # derived data: rebuilt from the (checksummed) token counts
@@ -85,7 +94,8 @@ def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = Tr
     # Every rank must start from the same weights: seed the initialisation itself.
     torch.manual_seed(training.seed)
     drafter = algorithm_class(plan.recipe.drafter.kind).build(
-        plan.recipe, plan.target_model, num_context_layers=len(layers.context), vocab=vocab, target_head=head)
+        plan.recipe, plan.target_model, num_context_layers=len(layers.context), vocab=vocab, target_head=head
+    )
 
     def loss_fn(model, batch, generator):
         return drafter.loss(batch, generator)  # ``model`` is drafter.model, moved to the device in place
@@ -97,9 +107,12 @@ def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: lis
     """The speculators folder vLLM serves, plus the resolved recipe, command and provenance."""
     out = Path(out_dir)
     drafter = setup.algorithm
-    drafter.export(out, verifier_name_or_path=plan.target_model,
-                   verifier_architectures=list(plan.target.architectures),
-                   aux_layer_ids=list(plan.context_layer_ids))
+    drafter.export(
+        out,
+        verifier_name_or_path=plan.target_model,
+        verifier_architectures=list(plan.target.architectures),
+        aux_layer_ids=list(plan.context_layer_ids),
+    )
     # The folder travels (Hub repo): launch env / extra_args secrets are redacted (recipe.redact).
     (out / EXPORT_RECIPE).write_text(yaml.safe_dump(redacted_recipe(plan.recipe), sort_keys=False))
     overrides = sum((["--set", redact_override(o)] for o in plan.overrides), [])

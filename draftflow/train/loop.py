@@ -62,33 +62,59 @@ def anchor_generator(seed: int, step: int, pack_index: int, device: torch.device
     return g
 
 
-def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runtime, training,
-          max_steps: int | None = None, monitor=None, train_items: list | None = None) -> LoopResult:
+def train(
+    setup: DrafterSetup,
+    source: Source,
+    layout: RunLayout,
+    runtime: Runtime,
+    training,
+    max_steps: int | None = None,
+    monitor=None,
+    train_items: list | None = None,
+) -> LoopResult:
     """`training` is the recipe's TrainingSection. `monitor` (a :class:`draftflow.train.monitor.Monitor`)
     validates and writes TensorBoard; `train_items` (default: every source item) excludes its split."""
     torch.manual_seed(training.seed)
     model = setup.model.to(runtime.device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     items = source.items() if train_items is None else train_items
-    plan = StepPlan.build(items, epochs=training.epochs, seed=training.seed,
-                          pack_length=training.pack_length, batch_size=training.batch_size,
-                          world_size=runtime.world_size)
+    plan = StepPlan.build(
+        items,
+        epochs=training.epochs,
+        seed=training.seed,
+        pack_length=training.pack_length,
+        batch_size=training.batch_size,
+        world_size=runtime.world_size,
+    )
     optimizer = torch.optim.AdamW(trainable, lr=training.lr, weight_decay=training.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, plan.total_steps, training.warmup_ratio, training.schedule))
+        optimizer, lambda s: lr_factor(s, plan.total_steps, training.warmup_ratio, training.schedule)
+    )
 
     found, state = checkpointing.resume(layout, runtime, model, optimizer, scheduler)
     resumed = found.folder
     if resumed:
-        print(f"draftflow.train: rank {runtime.rank}/{runtime.world_size} resumes from {resumed} "
-              f"(step {state.step})", file=sys.stderr, flush=True)
+        print(
+            f"draftflow.train: rank {runtime.rank}/{runtime.world_size} resumes from {resumed} "
+            f"(step {state.step})",
+            file=sys.stderr,
+            flush=True,
+        )
     metrics = MetricsLog(layout.metrics, enabled=runtime.is_main)
     metrics.truncate_after(state.step)
     if monitor is not None:
         monitor.start(state.step, [json.loads(ln) for ln in metrics.lines])
 
-    loader = StepLoader(plan, source, setup.layers, rank=runtime.rank, world_size=runtime.world_size,
-                        with_last=setup.with_last, start_epoch=state.epoch, start_step=state.epoch_step)
+    loader = StepLoader(
+        plan,
+        source,
+        setup.layers,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        with_last=setup.with_last,
+        start_epoch=state.epoch,
+        start_step=state.epoch_step,
+    )
     stop = _Stop()
     last: dict = {}
     window = _Window()
@@ -114,14 +140,21 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
             scheduler.step()
             state.step += 1
             state.epoch, state.epoch_step = batch.epoch, batch.epoch_step + 1
-            window.add(time.perf_counter() - t0, batch.tokens, loss_sum / training.batch_size, stats, loader.wait_s)
+            window.add(
+                time.perf_counter() - t0, batch.tokens, loss_sum / training.batch_size, stats, loader.wait_s
+            )
             loader.wait_s = 0.0
 
             end_of_epoch = state.epoch_step == plan.epoch_lengths[batch.epoch]
             validate = monitor is not None and monitor.validation_due(state.step, end_of_epoch)
             if state.step % training.log_every == 0 or end_of_epoch or validate:
-                last = window.record(state, runtime, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
-                                     total_steps=plan.total_steps)
+                last = window.record(
+                    state,
+                    runtime,
+                    lr=scheduler.get_last_lr()[0],
+                    grad_norm=float(grad_norm),
+                    total_steps=plan.total_steps,
+                )
                 if validate:
                     last.update(monitor.validate(model, state.step))
                 metrics.log(last)
@@ -130,7 +163,11 @@ def train(setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runti
             if end_of_epoch:
                 state.epoch, state.epoch_step = state.epoch + 1, 0
             stopping = bool(runtime.ranks_with(stop.requested))
-            if stopping or end_of_epoch or (training.checkpoint_every and state.step % training.checkpoint_every == 0):
+            if (
+                stopping
+                or end_of_epoch
+                or (training.checkpoint_every and state.step % training.checkpoint_every == 0)
+            ):
                 if runtime.is_main:
                     checkpointing.save(layout, model, optimizer, scheduler, state)
                     metrics.flush()
@@ -156,15 +193,21 @@ def average_gradients(params: list[torch.nn.Parameter], runtime: Runtime) -> Non
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(g).clone()
+        p.grad = flat[offset : offset + n].view_as(g).clone()
         offset += n
 
 
 def _to(batch, device):
     from dataclasses import fields, replace
 
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-                             if getattr(batch, f.name) is not None})
+    return replace(
+        batch,
+        **{
+            f.name: getattr(batch, f.name).to(device)
+            for f in fields(batch)
+            if getattr(batch, f.name) is not None
+        },
+    )
 
 
 def _add(a, b):
@@ -196,8 +239,9 @@ class _Window:
         from dataclasses import fields, replace
 
         s = self.stats
-        reduced = replace(s, **{f.name: runtime.all_reduce_sum(getattr(s, f.name).clone().float())
-                                for f in fields(s)})
+        reduced = replace(
+            s, **{f.name: runtime.all_reduce_sum(getattr(s, f.name).clone().float()) for f in fields(s)}
+        )
         totals = runtime.all_reduce_sum(torch.tensor([self.loss, float(self.tokens)]))
         record = {
             "step": state.step,

@@ -56,4 +56,4 @@ def parse_line(line: str) -> dict | None:
     """The orchestrator's side: a metrics record from a line of trainer stdout, or None."""
     if not line.startswith(METRIC_PREFIX):
         return None
-    return json.loads(line[len(METRIC_PREFIX):])
+    return json.loads(line[len(METRIC_PREFIX) :])

@@ -41,9 +41,21 @@ def _is_local(url: str) -> bool:
 
 
 class Monitor:
-    def __init__(self, *, layout: RunLayout, runtime: Runtime, source, kind: str, draft_length: int,
-                 target_model: str, last_layer: int | None, context_layers: tuple[int, ...],
-                 validation_ids: list[str], eval_every: int = 0, board: bool = True):
+    def __init__(
+        self,
+        *,
+        layout: RunLayout,
+        runtime: Runtime,
+        source,
+        kind: str,
+        draft_length: int,
+        target_model: str,
+        last_layer: int | None,
+        context_layers: tuple[int, ...],
+        validation_ids: list[str],
+        eval_every: int = 0,
+        board: bool = True,
+    ):
         self.layout, self.runtime, self.source = layout, runtime, source
         self.kind, self.draft_length = kind, int(draft_length)
         self.target_model, self.last_layer, self.context_layers = target_model, last_layer, context_layers
@@ -65,13 +77,22 @@ class Monitor:
     def for_plan(cls, plan, setup, source, layout: RunLayout, runtime: Runtime) -> tuple[Monitor, list]:
         """(monitor, train items): the recipe's validation split held back from training."""
         t = plan.recipe.training
-        train_items, held = validation.split_items(source.items(), t.validation_fraction,
-                                                   t.validation_max_samples)
+        train_items, held = validation.split_items(
+            source.items(), t.validation_fraction, t.validation_max_samples
+        )
         spec = plan.recipe.drafter
-        monitor = cls(layout=layout, runtime=runtime, source=source, kind=spec.kind,
-                      draft_length=spec.speculative_tokens, target_model=plan.target_model,
-                      last_layer=setup.layers.last, context_layers=setup.layers.context,
-                      validation_ids=held, eval_every=t.eval_every)
+        monitor = cls(
+            layout=layout,
+            runtime=runtime,
+            source=source,
+            kind=spec.kind,
+            draft_length=spec.speculative_tokens,
+            target_model=plan.target_model,
+            last_layer=setup.layers.last,
+            context_layers=setup.layers.context,
+            validation_ids=held,
+            eval_every=t.eval_every,
+        )
         return monitor, train_items
 
     # -- the loop's hooks ---------------------------------------------------------------
@@ -94,21 +115,26 @@ class Monitor:
     def validate(self, model: torch.nn.Module, step: int) -> dict:
         """Every rank calls this at the same step; returns the record fields (same on all ranks)."""
         counts = validation.AcceptanceCounts(self.draft_length)
-        mine = self.validation_ids[self.runtime.rank::self.runtime.world_size]
+        mine = self.validation_ids[self.runtime.rank :: self.runtime.world_size]
         device = self.runtime.device
         with torch.no_grad(), self.runtime.autocast():
             for sample in self.source.load(mine):
                 hidden = sample.hidden_states[:, list(self.context_layers)].to(device)
                 ids, mask = sample.token_ids.long().to(device), sample.loss_mask.to(device)
                 greedy = self._greedy_next(sample).to(device)
-                counts.merge(validation.sample_counts(model, self.kind, self.draft_length, hidden, ids, mask,
-                                                      greedy))
+                counts.merge(
+                    validation.sample_counts(model, self.kind, self.draft_length, hidden, ids, mask, greedy)
+                )
         total = self.runtime.all_reduce_sum(counts.as_tensor().to(device)).cpu()
         counts = validation.AcceptanceCounts.from_tensor(self.draft_length, total)
         self.validations += 1
-        record = {"val_tau": counts.tau, "val_acc": [round(p, 4) for p in counts.per_position],
-                  "val_drafts": counts.drafts, "val_samples": len(self.validation_ids),
-                  "val_reference": "target" if self.last_layer is not None else "data"}
+        record = {
+            "val_tau": counts.tau,
+            "val_acc": [round(p, 4) for p in counts.per_position],
+            "val_drafts": counts.drafts,
+            "val_samples": len(self.validation_ids),
+            "val_reference": "target" if self.last_layer is not None else "data",
+        }
         if self.best is None or counts.tau > self.best.tau:
             self.best = Best(step, counts.tau, self.layout.best_weights(step))
             if self.runtime.is_main:
@@ -169,8 +195,9 @@ class Monitor:
 
 def _write_best(layout: RunLayout, model: torch.nn.Module, best: Best) -> None:
     """Weights first, then best.json naming them (a crash in between keeps the previous best)."""
-    trainable = {n: p.detach().float().cpu().contiguous()
-                 for n, p in model.named_parameters() if p.requires_grad}
+    trainable = {
+        n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad
+    }
     fs, folder = fsspec.core.url_to_fs(layout.best_dir)
     fs.makedirs(folder, exist_ok=True)
     previous = _read_best(layout)

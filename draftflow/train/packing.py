@@ -30,7 +30,9 @@ def pack(items: list[Item], pack_length: int) -> list[list[Item]]:
     used = 0
     for item in items:
         if item.num_tokens > pack_length:
-            raise ValueError(f"sample {item.sample_id} has {item.num_tokens} tokens > pack_length {pack_length}")
+            raise ValueError(
+                f"sample {item.sample_id} has {item.num_tokens} tokens > pack_length {pack_length}"
+            )
         if used + item.num_tokens > pack_length and current:
             packs.append(current)
             current, used = [], 0
@@ -46,7 +48,7 @@ def global_steps(packs: list[list[Item]], batch_size: int, world_size: int) -> l
     so that every rank takes part in every step (DDP would hang otherwise)."""
     per_step = batch_size * world_size
     n = len(packs) // per_step
-    return [packs[i * per_step:(i + 1) * per_step] for i in range(n)]
+    return [packs[i * per_step : (i + 1) * per_step] for i in range(n)]
 
 
 def rank_share(step: list[list[Item]], rank: int, world_size: int) -> list[list[Item]]:

@@ -37,8 +37,18 @@ from draftflow.paths import RunLayout, join
 from draftflow.train import checkpointing
 
 LEASE_S = 90.0
-NOT_COMPARED = frozenset({"log_every", "checkpoint_every", "run_dir", "rdzv_endpoint", "device", "nproc",
-                          "nnodes", "max_missing_fraction"})
+NOT_COMPARED = frozenset(
+    {
+        "log_every",
+        "checkpoint_every",
+        "run_dir",
+        "rdzv_endpoint",
+        "device",
+        "nproc",
+        "nnodes",
+        "max_missing_fraction",
+    }
+)
 
 
 class TrainingRefused(RuntimeError):
@@ -57,8 +67,12 @@ def run_settings(recipe, world_size: int, skipped: list[str]) -> dict:
     """What decides the run's result: the optimisation, the drafter, the global batch, the data left out."""
     training = {k: v for k, v in recipe.training.model_dump(mode="json").items() if k not in NOT_COMPARED}
     ids = "\n".join(sorted(skipped)).encode()
-    return {"training": training, "drafter": recipe.drafter.model_dump(mode="json"), "processes": world_size,
-            "skipped_samples": {"count": len(skipped), "sha256": hashlib.sha256(ids).hexdigest()}}
+    return {
+        "training": training,
+        "drafter": recipe.drafter.model_dump(mode="json"),
+        "processes": world_size,
+        "skipped_samples": {"count": len(skipped), "sha256": hashlib.sha256(ids).hexdigest()},
+    }
 
 
 def _flatten(value, prefix: str = "") -> dict:
@@ -72,8 +86,11 @@ def _flatten(value, prefix: str = "") -> dict:
 
 def differences(saved: dict, current: dict) -> list[str]:
     a, b = _flatten(saved), _flatten(current)
-    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(a.keys() | b.keys())
-            if a.get(k, "(unset)") != b.get(k, "(unset)")]
+    return [
+        f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k, "(unset)") != b.get(k, "(unset)")
+    ]
 
 
 def has_state(layout: RunLayout) -> bool:
@@ -93,7 +110,8 @@ def check_settings(layout: RunLayout, settings: dict) -> None:
             f"run folder {layout.root} holds a run trained with other settings "
             f"({'; '.join(differences(saved, settings))}); resuming would continue it (or re-export its "
             "weights) under the new ones. Start a separate run with --run-id NEW_ID, or pass --force-new to "
-            "move this run's files aside (to RUN_ID.replaced-TIME) and start again")
+            "move this run's files aside (to RUN_ID.replaced-TIME) and start again"
+        )
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     checkpointing.put_whole(layout.settings, json.dumps(settings, indent=1, sort_keys=True).encode())
 
@@ -126,8 +144,10 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def _refused(self, holder: str) -> RunLocked:
-        return RunLocked(f"run folder {self.layout.root} is in use by another trainer ({holder}); wait for it "
-                         "to finish, or train under another --run-id")
+        return RunLocked(
+            f"run folder {self.layout.root} is in use by another trainer ({holder}); wait for it "
+            "to finish, or train under another --run-id"
+        )
 
     def acquire(self) -> None:
         self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
@@ -144,7 +164,11 @@ class RunLock:
             self._fd = fd
             return
         holder = self._read_lease()
-        if holder and holder.get("token") != self.owner["token"] and time.time() - holder["heartbeat"] < LEASE_S:
+        if (
+            holder
+            and holder.get("token") != self.owner["token"]
+            and time.time() - holder["heartbeat"] < LEASE_S
+        ):
             raise self._refused(f"host {holder.get('host')} pid {holder.get('pid')}")
         self._write_lease()
         time.sleep(1.0)  # two trainers that both saw no lease: the last writer wins, the other backs off
@@ -186,9 +210,12 @@ def record_skipped(layout: RunLayout, runtime, skipped: dict[str, str]) -> None:
         return
     fsspec.core.url_to_fs(layout.root)[0].makedirs(fsspec.core.url_to_fs(layout.root)[1], exist_ok=True)
     checkpointing.put_whole(layout.skipped_samples, json.dumps(skipped, indent=1, sort_keys=True).encode())
-    print(f"draftflow.train: training without {len(skipped)} train samples that are not available "
-          f"(training.max_missing_fraction); listed with reasons in {layout.skipped_samples}",
-          file=sys.stderr, flush=True)
+    print(
+        f"draftflow.train: training without {len(skipped)} train samples that are not available "
+        f"(training.max_missing_fraction); listed with reasons in {layout.skipped_samples}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _agree(runtime, error: Exception | None, what: str) -> None:
@@ -209,8 +236,11 @@ def claim(layout: RunLayout, runtime, force_new: bool = False) -> Iterator[None]
         try:
             lock.acquire()
             if force_new and (moved := set_aside(layout)):
-                print(f"draftflow.train: --force-new: the earlier run's files are now in {moved}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"draftflow.train: --force-new: the earlier run's files are now in {moved}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         except Exception as err:  # noqa: BLE001 - re-raised below, after every rank knows
             error = err
     _agree(runtime, error, f"claim run folder {layout.root}")

@@ -53,8 +53,9 @@ def id_rank(sample_id: str) -> str:
     return hashlib.sha256(sample_id.encode()).hexdigest()
 
 
-def split_items(items: Sequence[tuple[str, int]], fraction: float,
-                max_samples: int) -> tuple[list[tuple[str, int]], list[str]]:
+def split_items(
+    items: Sequence[tuple[str, int]], fraction: float, max_samples: int
+) -> tuple[list[tuple[str, int]], list[str]]:
     """(train items in their order, validation ids sorted by hash); see the module doc."""
     if fraction <= 0 or max_samples <= 0 or len(items) < 2:
         return list(items), []
@@ -87,8 +88,9 @@ class AcceptanceCounts:
     def merge(self, other: AcceptanceCounts) -> None:
         self.drafts += other.drafts
         self.accepted += other.accepted
-        self.accepted_per_position = [a + b for a, b in
-                                      zip(self.accepted_per_position, other.accepted_per_position)]
+        self.accepted_per_position = [
+            a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)
+        ]
 
     @property
     def tau(self) -> float:
@@ -157,8 +159,15 @@ def eagle3_drafts(model: nn.Module, hidden: Tensor, token_ids: Tensor, draft_len
     return torch.stack(drafts, 1)
 
 
-def sample_counts(model: nn.Module, kind: str, draft_length: int, hidden: Tensor, token_ids: Tensor,
-                  loss_mask: Tensor, greedy_next: Tensor) -> AcceptanceCounts:
+def sample_counts(
+    model: nn.Module,
+    kind: str,
+    draft_length: int,
+    hidden: Tensor,
+    token_ids: Tensor,
+    loss_mask: Tensor,
+    greedy_next: Tensor,
+) -> AcceptanceCounts:
     """Teacher-forced acceptance counts of one sample; greedy_next [T] = g (module doc)."""
     counts = AcceptanceCounts(draft_length)
     anchors = anchors_of(loss_mask, draft_length)

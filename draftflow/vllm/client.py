@@ -61,6 +61,7 @@ class ChatReply:
 # Pure helpers, shared with the synchronous probe in draftflow.vllm.server
 # ---------------------------------------------------------------------------------------
 
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -107,6 +108,7 @@ def hidden_states_path(body: dict, endpoint: str, prompt: Sequence[int], staging
 # ---------------------------------------------------------------------------------------
 # The async client
 # ---------------------------------------------------------------------------------------
+
 
 class VLLMClient:
     """Talks to one or more vLLM endpoints; use as ``async with VLLMClient(...) as c:``.
@@ -224,14 +226,22 @@ class VLLMClient:
         model = await self.model_name(ep)
         async with self._limits[ep]:
             response = await self._request(
-                "POST", ep, "/v1/completions",
-                json=completion_payload(model, prompt), headers={"X-Request-Id": request_id},
+                "POST",
+                ep,
+                "/v1/completions",
+                json=completion_payload(model, prompt),
+                headers={"X-Request-Id": request_id},
             )
             path = hidden_states_path(_json(response, ep), ep, prompt, self.staging_dirs)
             # Lock waits and file reads block: keep them off the event loop.
             tokens, hidden = await asyncio.to_thread(
-                read_hidden_states, path, prompt, self.num_layers, self.hidden_size,
-                self.lock_timeout_s, self.exclusive_lock,
+                read_hidden_states,
+                path,
+                prompt,
+                self.num_layers,
+                self.hidden_size,
+                self.lock_timeout_s,
+                self.exclusive_lock,
             )
         return ExtractedSample(tokens, hidden, ep, request_id)
 
@@ -293,7 +303,9 @@ class VLLMClient:
         request_id: str | None = None,
     ) -> str:
         """The target's reply text to `messages` (response regeneration); greedy by default."""
-        reply = await self.chat_reply(messages, max_tokens, temperature, endpoint=endpoint, request_id=request_id)
+        reply = await self.chat_reply(
+            messages, max_tokens, temperature, endpoint=endpoint, request_id=request_id
+        )
         return reply.text
 
     async def chat_reply(
@@ -311,7 +323,10 @@ class VLLMClient:
         payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
         async with self._limits[ep]:
             response = await self._request(
-                "POST", ep, "/v1/chat/completions", json=payload,
+                "POST",
+                ep,
+                "/v1/chat/completions",
+                json=payload,
                 headers={"X-Request-Id": request_id or uuid.uuid4().hex},
             )
         body = _json(response, ep)
@@ -323,7 +338,6 @@ class VLLMClient:
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or 0),
         )
-
 
     async def sample(
         self,
@@ -339,11 +353,21 @@ class VLLMClient:
         model's end-of-turn; self-generated user turns are written this way."""
         ep = self._endpoint(endpoint)
         model = await self.model_name(ep)
-        payload = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": max_tokens,
-                   "temperature": temperature, "top_p": top_p, "seed": int(seed)}
+        payload = {
+            "model": model,
+            "prompt": [int(t) for t in prompt_ids],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": int(seed),
+        }
         async with self._limits[ep]:
             response = await self._request(
-                "POST", ep, "/v1/completions", json=payload, headers={"X-Request-Id": uuid.uuid4().hex},
+                "POST",
+                ep,
+                "/v1/completions",
+                json=payload,
+                headers={"X-Request-Id": uuid.uuid4().hex},
             )
         body = _json(response, ep)
         await self._discard_side_file(body)
@@ -367,4 +391,6 @@ def _json(response: httpx.Response, endpoint: str) -> dict:
     try:
         return response.json()
     except ValueError:
-        raise RequestFailed(endpoint, response.status_code, f"response is not JSON: {response.text[:200]!r}") from None
+        raise RequestFailed(
+            endpoint, response.status_code, f"response is not JSON: {response.text[:200]!r}"
+        ) from None

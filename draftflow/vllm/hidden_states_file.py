@@ -33,7 +33,8 @@ def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> 
     except FileNotFoundError:
         raise InvalidHiddenStates(
             "lock file missing: the server's staging dir is not visible here (client and server "
-            "must share it) or the server runs without use_synchronization_lock", lock_path
+            "must share it) or the server runs without use_synchronization_lock",
+            lock_path,
         ) from None
     mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
     deadline = time.monotonic() + timeout_s
@@ -45,7 +46,9 @@ def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> 
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 os.close(fd)
-                raise InvalidHiddenStates(f"writer still holds the lock after {timeout_s:.0f}s", lock_path) from None
+                raise InvalidHiddenStates(
+                    f"writer still holds the lock after {timeout_s:.0f}s", lock_path
+                ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -62,18 +65,24 @@ def staging_path(path: str, staging_dirs: Sequence[str]) -> str:
     if not staging_dirs:
         raise InvalidHiddenStates(
             "no staging folder is configured, so no server-named file is read or deleted "
-            "(set vllm.staging_dirs or vllm.launch.staging_dir)", path,
+            "(set vllm.staging_dirs or vllm.launch.staging_dir)",
+            path,
         )
     if not isinstance(path, str) or not os.path.isabs(path) or "\x00" in path:
-        raise InvalidHiddenStates("server named a hidden-states path that is not absolute; left untouched", str(path))
+        raise InvalidHiddenStates(
+            "server named a hidden-states path that is not absolute; left untouched", str(path)
+        )
     if ".." in path.split(os.sep) or not path.endswith(".safetensors"):
-        raise InvalidHiddenStates("server named a path with '..' or not ending in .safetensors; left untouched", path)
+        raise InvalidHiddenStates(
+            "server named a path with '..' or not ending in .safetensors; left untouched", path
+        )
     folder = os.path.realpath(os.path.dirname(path))
     roots = [os.path.realpath(d) for d in staging_dirs]
     if not any(folder == root or folder.startswith(root.rstrip(os.sep) + os.sep) for root in roots):
         raise InvalidHiddenStates(
             f"server named a file outside the staging folder(s) {sorted(set(staging_dirs))}; left untouched "
-            "(if the server really writes elsewhere, list that folder in vllm.staging_dirs)", path,
+            "(if the server really writes elsewhere, list that folder in vllm.staging_dirs)",
+            path,
         )
     for p in (path, path + ".lock"):
         if os.path.islink(p):
@@ -102,7 +111,9 @@ def validate_hidden_states(
         raise InvalidHiddenStates(f"file lacks tensor(s) {sorted(missing)}", path)
     token_ids, hidden = tensors["token_ids"], tensors["hidden_states"]
     if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
-        raise InvalidHiddenStates(f"token_ids has shape {tuple(token_ids.shape)} / dtype {token_ids.dtype}", path)
+        raise InvalidHiddenStates(
+            f"token_ids has shape {tuple(token_ids.shape)} / dtype {token_ids.dtype}", path
+        )
     if token_ids.tolist() != list(prompt):
         first = next((i for i, (a, b) in enumerate(zip(token_ids.tolist(), prompt)) if a != b), None)
         where = f"first difference at position {first}" if first is not None else "lengths differ"
@@ -112,7 +123,9 @@ def validate_hidden_states(
     if hidden.dim() != 3:
         raise InvalidHiddenStates(f"hidden_states has shape {tuple(hidden.shape)}, expected 3 dims", path)
     if hidden.shape[0] != len(prompt):
-        raise InvalidHiddenStates(f"hidden_states covers {hidden.shape[0]} tokens, prompt has {len(prompt)}", path)
+        raise InvalidHiddenStates(
+            f"hidden_states covers {hidden.shape[0]} tokens, prompt has {len(prompt)}", path
+        )
     if num_layers is not None and hidden.shape[1] != num_layers:
         raise InvalidHiddenStates(f"hidden_states has {hidden.shape[1]} layers, expected {num_layers}", path)
     if hidden_size is not None and hidden.shape[2] != hidden_size:
@@ -179,7 +192,11 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
         path = os.path.join(folder, name)
         try:
             info = os.lstat(path)  # a symlink is never followed, nor deleted as if it were ours
-            if not name.endswith(".safetensors") or not stat.S_ISREG(info.st_mode) or now - info.st_mtime < older_than_s:
+            if (
+                not name.endswith(".safetensors")
+                or not stat.S_ISREG(info.st_mode)
+                or now - info.st_mtime < older_than_s
+            ):
                 continue
             fd = os.open(path + ".lock", os.O_RDONLY)
         except FileNotFoundError:  # gone meanwhile, or a server without the lock: age alone decides

@@ -70,9 +70,16 @@ class LaunchSpec:
     def from_section(cls, launch: VLLMLaunchSection, *, model: str, port: int, **fields) -> LaunchSpec:
         """A server for ``model`` with the recipe's launch settings (python, device,
         max_model_len, extra_args, env); ``fields``: the rest (host, dtype, staging, log, ...)."""
-        return cls(python=expand(launch.python), model=model, port=port, device=launch.device,
-                   max_model_len=launch.max_model_len, extra_args=list(launch.extra_args),
-                   env=dict(launch.env), **fields)
+        return cls(
+            python=expand(launch.python),
+            model=model,
+            port=port,
+            device=launch.device,
+            max_model_len=launch.max_model_len,
+            extra_args=list(launch.extra_args),
+            env=dict(launch.env),
+            **fields,
+        )
 
 
 def extraction_flags(layer_ids: list[int], staging_dir: str, device: str) -> list[str]:
@@ -96,19 +103,28 @@ def extraction_flags(layer_ids: list[int], staging_dir: str, device: str) -> lis
 
 def build_command(spec: LaunchSpec) -> list[str]:
     cmd = [
-        spec.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", spec.model,
-        "--host", spec.host,
-        "--port", str(spec.port),
-        "--max-model-len", str(spec.max_model_len),
-        "--dtype", spec.dtype,
+        spec.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--dtype",
+        spec.dtype,
     ]
     if spec.device == "cpu":
         cmd.append("--enforce-eager")
     if spec.extract_layer_ids:
         if spec.speculative_config:
             raise ValueError("a server either extracts hidden states or runs a drafter, not both")
-        cmd += extraction_flags(spec.extract_layer_ids, spec.staging_dir or "/dev/shm/draftflow-hidden-states", spec.device)
+        cmd += extraction_flags(
+            spec.extract_layer_ids, spec.staging_dir or "/dev/shm/draftflow-hidden-states", spec.device
+        )
     elif spec.speculative_config:
         cmd += ["--speculative-config", json.dumps(spec.speculative_config)]
     return cmd + list(spec.extra_args)
@@ -166,14 +182,17 @@ class ServerProcess:
                 break
             except BlockingIOError:
                 if not announced:
-                    log.warning("another vLLM server runs on this CPU host; waiting for it to stop (%s)", CPU_HOST_LOCK)
+                    log.warning(
+                        "another vLLM server runs on this CPU host; waiting for it to stop (%s)",
+                        CPU_HOST_LOCK,
+                    )
                     announced = True
                 if time.monotonic() > deadline:
                     handle.close()
                     raise ServerStartError(
                         f"another vLLM server has held {CPU_HOST_LOCK} for {self.host_lock_timeout_s:.0f}s: "
                         "two servers on one CPU host hang at start-up; stop the other one"
-                    )
+                    ) from None
                 time.sleep(1.0)
         self._host_lock = handle
 
@@ -210,7 +229,14 @@ class ServerProcess:
         keep = (read_end,) + ((self._host_lock.fileno(),) if self._host_lock is not None else ())
         try:
             self.proc = subprocess.Popen(
-                [self.spec.python, "-m", "draftflow.vllm.watchdog", str(read_end), "--", *build_command(self.spec)],
+                [
+                    self.spec.python,
+                    "-m",
+                    "draftflow.vllm.watchdog",
+                    str(read_end),
+                    "--",
+                    *build_command(self.spec),
+                ],
                 env=env,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
@@ -221,7 +247,12 @@ class ServerProcess:
         finally:
             os.close(read_end)
         self.record = lifecycle.record_launch(
-            self.proc.pid, self.spec.port, self.spec.host, self.start_token, self.spec.model, self.spec.log_path
+            self.proc.pid,
+            self.spec.port,
+            self.spec.host,
+            self.start_token,
+            self.spec.model,
+            self.spec.log_path,
         )
         return self
 
@@ -246,7 +277,9 @@ class ServerProcess:
                     if self.answers_as_launched():
                         return
                     if not warned:
-                        log.warning("%s answers, but not from the server just launched; waiting for ours", self.url)
+                        log.warning(
+                            "%s answers, but not from the server just launched; waiting for ours", self.url
+                        )
                         warned = True
             except httpx.HTTPError:
                 pass

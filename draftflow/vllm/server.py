@@ -28,6 +28,7 @@ import httpx
 
 from draftflow.recipe.load import default_home, expand
 from draftflow.recipe.schema import VLLMLaunchSection
+from draftflow.vllm import lifecycle
 from draftflow.vllm.client import (
     ExtractionNotEnabled,
     VLLMClient,
@@ -38,7 +39,6 @@ from draftflow.vllm.client import (
     hidden_states_path,
     read_hidden_states,
 )
-from draftflow.vllm import lifecycle
 from draftflow.vllm.launch import LaunchSpec, ServerProcess
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,16 @@ def ensure_running(
         def relaunch(url: str) -> ServerProcess:
             proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
             try:
-                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
-                               handle.staging_dirs)
+                check_endpoint(
+                    url,
+                    model,
+                    layer_ids,
+                    hidden_size,
+                    api_key,
+                    probe_token_ids,
+                    health_timeout_s,
+                    handle.staging_dirs,
+                )
             except BaseException:
                 proc.stop()
                 raise
@@ -155,12 +163,24 @@ def ensure_running(
     try:
         for url in urls:
             if is_healthy(url, health_timeout_s):
-                check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
-                               handle.staging_dirs)
-                note = (f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
-                        f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked")
+                check_endpoint(
+                    url,
+                    model,
+                    layer_ids,
+                    hidden_size,
+                    api_key,
+                    probe_token_ids,
+                    health_timeout_s,
+                    handle.staging_dirs,
+                )
+                note = (
+                    f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
+                    f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked"
+                )
                 if strict_layer_ids:
-                    raise WrongLayers(f"{note}; strict_layer_ids refuses it: stop it and let the pipeline start one")
+                    raise WrongLayers(
+                        f"{note}; strict_layer_ids refuses it: stop it and let the pipeline start one"
+                    )
                 log.warning(note)
                 handle.unverified.append(note)
                 continue
@@ -171,8 +191,16 @@ def ensure_running(
                 )
             proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
             handle.started.append(proc)
-            check_endpoint(url, model, layer_ids, hidden_size, api_key, probe_token_ids, health_timeout_s,
-                           handle.staging_dirs)
+            check_endpoint(
+                url,
+                model,
+                layer_ids,
+                hidden_size,
+                api_key,
+                probe_token_ids,
+                health_timeout_s,
+                handle.staging_dirs,
+            )
     except BaseException:
         handle.stop()
         raise
@@ -182,6 +210,7 @@ def ensure_running(
 # ---------------------------------------------------------------------------------------
 # Checks
 # ---------------------------------------------------------------------------------------
+
 
 def is_healthy(url: str, timeout_s: float = 3.0) -> bool:
     try:
@@ -211,7 +240,9 @@ def check_endpoint(
 def _get_json(http: httpx.Client, url: str, path: str) -> dict:
     response = http.get(path)
     if response.status_code in (401, 403):
-        raise ServerCheckError(f"{url}{path}: HTTP {response.status_code}: the API key was rejected or is missing")
+        raise ServerCheckError(
+            f"{url}{path}: HTTP {response.status_code}: the API key was rejected or is missing"
+        )
     if response.status_code >= 400:
         raise ServerCheckError(f"{url}{path}: HTTP {response.status_code}: {error_message(response)}")
     return response.json()
@@ -219,9 +250,11 @@ def _get_json(http: httpx.Client, url: str, path: str) -> dict:
 
 def same_model(expected: str, served: str) -> bool:
     """Equal ids, or the same local folder spelt differently (trailing '/', symlinks)."""
+
     def norm(name: str) -> str:
         path = Path(name).expanduser()
         return str(path.resolve()) if path.exists() else name.rstrip("/")
+
     return expected == served or norm(expected) == norm(served)
 
 
@@ -247,15 +280,20 @@ def check_extraction(
     """One real extraction: the file must have the expected layers, size and tokens."""
     prompt = [int(t) for t in probe_token_ids]
     response = http.post(
-        "/v1/completions", json=completion_payload(served_id, prompt),
+        "/v1/completions",
+        json=completion_payload(served_id, prompt),
         headers={"X-Request-Id": f"draftflow-probe-{time.time_ns()}"},
     )
     if response.status_code >= 400:
-        raise ServerCheckError(f"{url}: probe extraction failed: HTTP {response.status_code}: {error_message(response)}")
+        raise ServerCheckError(
+            f"{url}: probe extraction failed: HTTP {response.status_code}: {error_message(response)}"
+        )
     try:
         path = hidden_states_path(response.json(), url, prompt, staging_dirs)
     except ExtractionNotEnabled as err:
-        raise ExtractionNotEnabled(f"{url} serves {served_id!r} but hidden-state extraction is not enabled: {err}") from None
+        raise ExtractionNotEnabled(
+            f"{url} serves {served_id!r} but hidden-state extraction is not enabled: {err}"
+        ) from None
     _, hidden = read_hidden_states(path, prompt)  # validates token ids, finiteness; deletes files
     if hidden.shape[1] != len(layer_ids):
         raise WrongLayers(
@@ -263,12 +301,15 @@ def check_extraction(
             f"{len(layer_ids)} (layer ids {list(layer_ids)})"
         )
     if hidden.shape[2] != hidden_size:
-        raise WrongLayers(f"{url} returns hidden size {hidden.shape[2]}, but the target's hidden size is {hidden_size}")
+        raise WrongLayers(
+            f"{url} returns hidden size {hidden.shape[2]}, but the target's hidden size is {hidden_size}"
+        )
 
 
 # ---------------------------------------------------------------------------------------
 # Launching
 # ---------------------------------------------------------------------------------------
+
 
 def start_server(
     url: str,
@@ -288,8 +329,14 @@ def start_server(
     log_root = Path(log_dir) if log_dir else default_home() / "logs"
     log_path = log_root / f"vllm-{parts.port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
     spec = LaunchSpec.from_section(
-        launch, model=model, host=parts.hostname, port=parts.port, dtype=dtype,
-        extract_layer_ids=list(layer_ids), staging_dir=expand(launch.staging_dir), log_path=str(log_path),
+        launch,
+        model=model,
+        host=parts.hostname,
+        port=parts.port,
+        dtype=dtype,
+        extract_layer_ids=list(layer_ids),
+        staging_dir=expand(launch.staging_dir),
+        log_path=str(log_path),
         api_key=api_key,
     )
     if not Path(spec.python).exists():

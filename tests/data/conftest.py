@@ -60,7 +60,9 @@ def sharegpt_record(*turns: tuple[str, str], **extra) -> dict:
 def chat_records(n: int, prefix: str = "q") -> list[dict]:
     """``n`` distinct two-turn ShareGPT records."""
     return [
-        sharegpt_record(("human", f"{prefix} question {i}: what is {i} plus {i}?"), ("gpt", f"{i} plus {i} is {2 * i}."))
+        sharegpt_record(
+            ("human", f"{prefix} question {i}: what is {i} plus {i}?"), ("gpt", f"{i} plus {i} is {2 * i}.")
+        )
         for i in range(n)
     ]
 
@@ -99,14 +101,20 @@ def write_hf_disk(folder: Path, rows: list[dict], column: str, files: int = 1) -
     names = [f"data-{i:05d}-of-{files:05d}.arrow" for i in range(files)]
     per_file = -(-len(rows) // files)
     for i, name in enumerate(names):
-        chunk = rows[i * per_file:(i + 1) * per_file]
+        chunk = rows[i * per_file : (i + 1) * per_file]
         table = pa.Table.from_pylist(chunk) if chunk else pa.table({column: pa.array([], pa.null())})
         with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=2)  # several record batches per file
     (folder / "dataset_info.json").write_text(json.dumps({"features": {column: {}}}))
-    (folder / "state.json").write_text(json.dumps({
-        "_data_files": [{"filename": n} for n in names], "_fingerprint": "f", "_split": "train",
-    }))
+    (folder / "state.json").write_text(
+        json.dumps(
+            {
+                "_data_files": [{"filename": n} for n in names],
+                "_fingerprint": "f",
+                "_split": "train",
+            }
+        )
+    )
     return folder
 
 

@@ -46,7 +46,9 @@ def test_smollm2_mask_is_exactly_the_assistant_turns(smollm2_tokenizer):
     ]
     assert encoded.context_only_turns == 0 and encoded.retokenized_prompts == 0 and not encoded.truncated
     # The token sequence is the template's own tokenisation of the whole conversation.
-    assert encoded.input_ids == smollm2_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    assert encoded.input_ids == smollm2_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=False
+    )
     # Everything else, including the default system prompt and the newline after each
     # <|im_end|> (the model never generates it), is context.
     context = unmasked_text(smollm2_tokenizer, encoded)
@@ -118,7 +120,10 @@ def test_truncation_keeps_the_head_and_counts(smollm2_tokenizer):
 def test_truncation_before_any_answer_drops(smollm2_tokenizer):
     encoder = ChatEncoder(smollm2_tokenizer)
     whole, _ = encoder.encode(CONVERSATION)
-    assert encoder.encode(CONVERSATION, max_length=whole.loss_mask.index(1)) == (None, "no_loss_after_truncation")
+    assert encoder.encode(CONVERSATION, max_length=whole.loss_mask.index(1)) == (
+        None,
+        "no_loss_after_truncation",
+    )
 
 
 def test_control_tokens_in_content_are_refused(smollm2_tokenizer):

@@ -17,8 +17,10 @@ from draftflow.data.cleaning import (
     shingles,
 )
 
-LONG = ("Can you help me write a Python function that reads a CSV file of sales records and returns "
-        "the total revenue per region, sorted from the highest to the lowest?")
+LONG = (
+    "Can you help me write a Python function that reads a CSV file of sales records and returns "
+    "the total revenue per region, sorted from the highest to the lowest?"
+)
 
 
 def test_exact_duplicates_differ_only_in_case_punctuation_and_spacing():

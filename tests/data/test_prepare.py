@@ -41,8 +41,14 @@ def sources(write_json, sg):
     records[3] = sg.record(("human", "no reply"))
     records[7] = {"conversations": []}
     messages = [
-        {"messages": [{"role": "user", "content": f"m{i}: name a colour"}, {"role": "assistant", "content": f"Blue {i}"},
-                      {"role": "user", "content": "another"}, {"role": "assistant", "content": f"Red {i}"}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"m{i}: name a colour"},
+                {"role": "assistant", "content": f"Blue {i}"},
+                {"role": "user", "content": "another"},
+                {"role": "assistant", "content": f"Red {i}"},
+            ]
+        }
         for i in range(12)
     ]
     return [
@@ -128,7 +134,9 @@ def test_sample_ids_stable_distinct_and_path_safe(sources):
 def test_duplicates_across_sources_kept_once(write_json, sg):
     recs = sg.records(4)
     a = DataSource(kind="sharegpt", path=str(write_json("a.json", recs)))
-    b = DataSource(kind="sharegpt", path=str(write_json("b.jsonl", recs[:2] + sg.records(1, "new"), jsonl=True)))
+    b = DataSource(
+        kind="sharegpt", path=str(write_json("b.jsonl", recs[:2] + sg.records(1, "new"), jsonl=True))
+    )
     chosen, stats = select_conversations(DataSection(sources=[a, b], eval_samples=0))
     assert len(chosen) == 5
     assert list(stats.values())[1]["dropped"] == {"duplicate": 2}
@@ -163,8 +171,12 @@ def test_eval_prompts_stop_before_the_first_reply(tmp_path, sources, encoder):
     for p in prompts:
         assert p.messages and p.messages[-1]["role"] == "user"
         assert all(m["role"] != "assistant" for m in p.messages)
-    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-            {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"}]
+    conv = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "u2"},
+    ]
     assert prompt_messages(conv) == conv[:2]
 
 
@@ -243,9 +255,13 @@ class FakeTarget:
 
 
 def test_regeneration_replaces_assistant_turns_in_order():
-    conv = [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
-            {"role": "assistant", "content": "old1"}, {"role": "user", "content": "u2"},
-            {"role": "assistant", "content": "old2"}]
+    conv = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "old1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "old2"},
+    ]
     fake = FakeTarget()
     [(out, reason)], errors = asyncio.run(regenerate_conversations([conv], fake, max_tokens=7, concurrency=2))
     assert reason is None and not errors
@@ -273,7 +289,9 @@ def test_regeneration_failures_are_counted_and_bounded():
 def test_prepare_with_regeneration(tmp_path, sources, encoder):
     fake = FakeTarget(fail_on=["q question 11"])
     lay = layout(tmp_path)
-    data = data_section(sources, regenerate_responses=True, regenerate_max_tokens=32, regenerate_concurrency=4)
+    data = data_section(
+        sources, regenerate_responses=True, regenerate_max_tokens=32, regenerate_concurrency=4
+    )
     report = prepare(data, lay, encoder, generate=fake).report
     assert report["regenerated"] and report["dropped"] == {"regenerate_failed": 1}
     assert report["regenerate_errors"] == ["ConnectionError: server said 500"]
@@ -295,8 +313,9 @@ def test_regeneration_needs_a_generate_function(tmp_path, sources, encoder):
 
 def test_prepare_with_regeneration_inside_a_running_event_loop(tmp_path, sources, encoder):
     async def main():  # e.g. an async orchestration flow calling the sync API
-        return prepare(data_section(sources, regenerate_responses=True), layout(tmp_path), encoder,
-                       generate=FakeTarget())
+        return prepare(
+            data_section(sources, regenerate_responses=True), layout(tmp_path), encoder, generate=FakeTarget()
+        )
 
     assert asyncio.run(main()).report["kept"]["train"] == 35
 
@@ -313,7 +332,11 @@ def test_prepare_on_object_storage(s3, sources, encoder):
     assert read_report(lay, options) == first.report
     assert sum(load_token_counts(lay, options).values()) == first.report["tokens"]["train_loss"]
     objects = s3fs.S3FileSystem(**options).find(s3["url"] + "/store")
-    assert sorted(o.rsplit("/", 1)[1] for o in objects) == ["report.json", "samples.parquet", "token_counts.parquet"]
+    assert sorted(o.rsplit("/", 1)[1] for o in objects) == [
+        "report.json",
+        "samples.parquet",
+        "token_counts.parquet",
+    ]
     assert prepare(data_section(sources), lay, encoder, storage_options=options).reused
 
 
@@ -330,7 +353,9 @@ def test_demo_recipe_on_the_pip_corpora(smollm2_dir, tmp_path):
     report = result.report
     data = recipe.data
     assert report["selected"] == data.num_samples and report["kept"]["eval"] == data.eval_samples
-    assert report["kept"]["train"] + report["kept"]["eval"] + sum(report["dropped"].values()) == data.num_samples
+    assert (
+        report["kept"]["train"] + report["kept"]["eval"] + sum(report["dropped"].values()) == data.num_samples
+    )
     assert {s["kind"] for s in report["sources"].values()} == {"chatterbot", "chitchat"}
     assert [s["selected"] for s in report["sources"].values()] == [src.max_samples for src in data.sources]
     assert all(m == data.regenerate_max_tokens for _, m in fake.calls)
@@ -348,8 +373,9 @@ def test_async_prepare_runs_generate_on_the_callers_loop(tmp_path, sources, enco
         return "ok"
 
     async def main():
-        result = await aprepare(data_section(sources, regenerate_responses=True), layout(tmp_path), encoder,
-                                generate=generate)
+        result = await aprepare(
+            data_section(sources, regenerate_responses=True), layout(tmp_path), encoder, generate=generate
+        )
         return result, asyncio.get_running_loop()
 
     result, caller_loop = asyncio.run(main())
@@ -360,7 +386,9 @@ def test_async_prepare_runs_generate_on_the_callers_loop(tmp_path, sources, enco
 def test_regeneration_stops_when_the_server_keeps_failing():
     from draftflow.data.regenerate import RegenerationError
 
-    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}] for i in range(500)]
+    convs = [
+        [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}] for i in range(500)
+    ]
     down = FakeTarget(fail_on=[""])  # every request fails, like a server that is down
 
     async def main():
@@ -376,16 +404,24 @@ def test_regeneration_stops_when_the_server_keeps_failing():
 
 def test_prepare_when_every_regeneration_fails(tmp_path, sources, encoder):
     with pytest.raises(ValueError, match="no training samples left .*regenerate_failed"):
-        prepare(data_section(sources, regenerate_responses=True), layout(tmp_path), encoder,
-                generate=FakeTarget(fail_on=[""]))
+        prepare(
+            data_section(sources, regenerate_responses=True),
+            layout(tmp_path),
+            encoder,
+            generate=FakeTarget(fail_on=[""]),
+        )
     assert not is_prepared(layout(tmp_path))
 
 
 def test_mix_is_not_biased_towards_the_bigger_source(write_json, sg):
     """Per-source caps keep the smallest hash keys; the mix must not reuse them, or the big
     source (whose kept keys are all small) would take the eval split and the total cap."""
-    small = DataSource(kind="sharegpt", path=str(write_json("s.json", sg.records(300, "small"))), max_samples=150)
-    big = DataSource(kind="sharegpt", path=str(write_json("b.json", sg.records(3000, "big"))), max_samples=150)
+    small = DataSource(
+        kind="sharegpt", path=str(write_json("s.json", sg.records(300, "small"))), max_samples=150
+    )
+    big = DataSource(
+        kind="sharegpt", path=str(write_json("b.json", sg.records(3000, "big"))), max_samples=150
+    )
     chosen, _ = select_conversations(DataSection(sources=[small, big], num_samples=200, eval_samples=40))
     by_source = Counter(c.source.split(":")[2] for c in chosen)
     eval_by_source = Counter(c.source.split(":")[2] for c in chosen if c.split == "eval")
@@ -409,6 +445,7 @@ def test_a_second_preparation_never_rewrites_the_folder(tmp_path, sources, encod
             if wait is not None:
                 await asyncio.to_thread(wait.wait, 60)
             return reply
+
         return generate
 
     def run(name: str, wait: threading.Event | None):
@@ -438,7 +475,10 @@ def test_flipped_bit_in_prepared_tables_is_detected(tmp_path, sources, encoder):
 
     lay = layout(tmp_path)
     prepare(data_section(sources), lay, encoder)
-    for url, load in ((lay.samples, lambda: load_prepared(lay)), (lay.token_counts, lambda: load_token_counts(lay))):
+    for url, load in (
+        (lay.samples, lambda: load_prepared(lay)),
+        (lay.token_counts, lambda: load_token_counts(lay)),
+    ):
         blob = bytearray(open(url, "rb").read())
         blob[len(blob) // 2] ^= 0x10
         with open(url, "r+b") as f:  # in place, same size: only a checksum can tell

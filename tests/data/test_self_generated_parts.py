@@ -75,7 +75,9 @@ def test_partial_file_keeps_finished_steps_and_cuts_a_torn_line(tmp_path):
     path = tmp_path / "generation" / "source-0.jsonl"
     partial = _Partial(str(path))
     partial.append({"first": 0, "text": "Hi?", "finish_reason": "stop"})
-    partial.append({"conversation": 0, "messages": [{"role": "user", "content": "Hi?"}], "drop": None, "cut": None})
+    partial.append(
+        {"conversation": 0, "messages": [{"role": "user", "content": "Hi?"}], "drop": None, "cut": None}
+    )
     partial.close()
     with open(path, "a") as f:
         f.write('{"first": 1, "text": "tor')  # a kill in the middle of a write
@@ -89,6 +91,8 @@ def test_partial_file_keeps_finished_steps_and_cuts_a_torn_line(tmp_path):
 
 def test_partial_file_of_a_remote_store_lives_under_the_local_home(tmp_path):
     local = DataLayout(str(tmp_path / "store" / "name-fp"))
-    assert local.generation_partial(2, "/home") == str(tmp_path / "store" / "name-fp" / "generation" / "source-2.jsonl")
+    assert local.generation_partial(2, "/home") == str(
+        tmp_path / "store" / "name-fp" / "generation" / "source-2.jsonl"
+    )
     remote = DataLayout("s3://bucket/store/name-fp")
     assert remote.generation_partial(0, "/home/x") == "/home/x/generation/name-fp/source-0.jsonl"

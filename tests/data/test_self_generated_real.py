@@ -26,8 +26,12 @@ from draftflow.plan import Plan
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "0:self_generated"
-GENERATION = {"num_prompts": 10, "topics": ["coding", "math", "trivia", "advice"], "max_tokens": 32,
-              "temperature": 1.0}
+GENERATION = {
+    "num_prompts": 10,
+    "topics": ["coding", "math", "trivia", "advice"],
+    "max_tokens": 32,
+    "temperature": 1.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,11 @@ def write_recipe(folder: Path, model: Path, endpoint: str, **generation) -> str:
         "target": {"model": str(model)},
         "data": {
             "sources": [{"kind": "self_generated", "self_generated": {**GENERATION, **generation}}],
-            "eval_samples": 2, "max_length": 256, "seed": 5,
-            "regenerate_max_tokens": 32, "regenerate_concurrency": 8,
+            "eval_samples": 2,
+            "max_length": 256,
+            "seed": 5,
+            "regenerate_max_tokens": 32,
+            "regenerate_concurrency": 8,
         },
         "extraction": {"dtype": "float32", "store": str(folder / "store")},
         "vllm": {"endpoints": [endpoint]},
@@ -56,8 +63,11 @@ def write_recipe(folder: Path, model: Path, endpoint: str, **generation) -> str:
 
 def generation_requests(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+    )
 
 
 def prepared(plan: Plan) -> tuple[dict, list[list[dict]]]:
@@ -82,11 +92,21 @@ def test_self_generated_preparation_is_clean_and_counts_every_drop(first_run):
     source = report["sources"][LABEL]
     assert source["dropped"] == generation["dropped"] and source["kind"] == "self_generated"
     assert generation["dropped"].get("truncated", 0) >= 1  # 32 tokens is short for SmolLM2's questions
-    assert set(generation["dropped"]) <= {"empty", "truncated", "degenerate", "duplicate", "near_duplicate",
-                                          "control_token", "reply_failed", "reply_empty"}
+    assert set(generation["dropped"]) <= {
+        "empty",
+        "truncated",
+        "degenerate",
+        "duplicate",
+        "near_duplicate",
+        "control_token",
+        "reply_failed",
+        "reply_empty",
+    }
     assert report["kept"]["train"] + report["kept"]["eval"] == len(conversations) >= 8
     prompts = [c[0]["content"] for c in conversations]
-    assert all(c[0]["role"] == "user" and c[1]["role"] == "assistant" and c[1]["content"] for c in conversations)
+    assert all(
+        c[0]["role"] == "user" and c[1]["role"] == "assistant" and c[1]["content"] for c in conversations
+    )
     assert len({normalise(p) for p in prompts}) == len(prompts)
     signatures = [minhash(shingles(p)) for p in prompts]
     for i in range(len(prompts)):
@@ -102,8 +122,10 @@ def test_kill_during_generation_then_resume_generates_only_the_rest_and_same_see
     assert plan.fingerprint == first_run.fingerprint and plan.data.root != first_run.data.root
     partial = Path(plan.data.generation_partial(0, str(tmp_path / "home")))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    code = ("import sys; from draftflow.plan import Plan; from draftflow.extraction.run import prepare_data; "
-            "prepare_data(Plan.load(sys.argv[1]))")
+    code = (
+        "import sys; from draftflow.plan import Plan; from draftflow.extraction.run import prepare_data; "
+        "prepare_data(Plan.load(sys.argv[1]))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, recipe], env=env, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
@@ -130,13 +152,18 @@ def test_kill_during_generation_then_resume_generates_only_the_rest_and_same_see
     assert report["self_generated"][LABEL]["resumed_from_partial"] == len(done_before)
     # Same recipe and seed: the same prompts as the uninterrupted first run.
     _, first_conversations = prepared(first_run)
-    assert sorted(c[0]["content"] for c in conversations) == sorted(c[0]["content"] for c in first_conversations)
+    assert sorted(c[0]["content"] for c in conversations) == sorted(
+        c[0]["content"] for c in first_conversations
+    )
 
 
 def test_target_that_writes_nothing_usable_stops_with_a_clear_error(plain_server, smollm2_dir, tmp_path):
     # 4 tokens are never enough for SmolLM2's questions: every attempt is truncated.
-    plan = Plan.load(write_recipe(tmp_path, smollm2_dir, plain_server.url, max_tokens=4, num_prompts=4,
-                                  max_attempts_ratio=20))
+    plan = Plan.load(
+        write_recipe(
+            tmp_path, smollm2_dir, plain_server.url, max_tokens=4, num_prompts=4, max_attempts_ratio=20
+        )
+    )
     with pytest.raises(SelfGenerationError) as info:
         prepare_data(plan)
     message = str(info.value)

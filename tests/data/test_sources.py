@@ -37,7 +37,9 @@ def test_sharegpt_json_roles_normalised(write_json, sg):
         {"role": "assistant", "content": "Hello!"},
     ]
     assert [roles(c) for c in convs[1:]] == [
-        ["user", "assistant", "user", "assistant"], ["user", "assistant"], ["user", "assistant"] * 2,
+        ["user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+        ["user", "assistant"] * 2,
     ]
     assert [m["content"] for m in convs[1]] == ["A", "B", "C", "D"]
 
@@ -77,8 +79,14 @@ def test_iter_json_values_missing_closing_bracket_counted():
         ([{"from": "gpt", "value": "a reply to nothing"}], "no_user_turn"),
         ([{"from": "human", "value": "q"}, {"from": "tool", "value": "x"}], "unknown_role"),
         ([{"from": "human", "value": "q"}, {"from": "gpt", "value": 3}], "non_text_content"),
-        ([{"from": "human", "value": "q"}, {"from": "system", "value": "s"}, {"from": "gpt", "value": "a"}],
-         "system_not_first"),
+        (
+            [
+                {"from": "human", "value": "q"},
+                {"from": "system", "value": "s"},
+                {"from": "gpt", "value": "a"},
+            ],
+            "system_not_first",
+        ),
         (["not a dict"], "malformed_turn"),
         ("not a list", "malformed_record"),
         (None, "malformed_record"),
@@ -89,15 +97,17 @@ def test_unusable_conversations_have_a_reason(turns, reason):
 
 
 def test_normalisation_trims_merges_and_keeps_dialogue():
-    conv, reason = normalise_conversation([
-        {"from": "gpt", "value": "leading reply"},
-        {"from": "human", "value": "  part one "},
-        {"from": "human", "value": "part two"},
-        {"from": "gpt", "value": ""},  # empty turn vanishes; its neighbours merge
-        {"from": "human", "value": "part three"},
-        {"from": "gpt", "value": "answer"},
-        {"from": "human", "value": "unanswered"},
-    ])
+    conv, reason = normalise_conversation(
+        [
+            {"from": "gpt", "value": "leading reply"},
+            {"from": "human", "value": "  part one "},
+            {"from": "human", "value": "part two"},
+            {"from": "gpt", "value": ""},  # empty turn vanishes; its neighbours merge
+            {"from": "human", "value": "part three"},
+            {"from": "gpt", "value": "answer"},
+            {"from": "human", "value": "unanswered"},
+        ]
+    )
     assert reason is None
     assert conv == [
         {"role": "user", "content": "part one\n\npart two\n\npart three"},
@@ -108,14 +118,27 @@ def test_normalisation_trims_merges_and_keeps_dialogue():
 def test_messages_jsonl_with_content_parts(write_json):
     records = [
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "text", "text": "x"}]},
-                      {"role": "assistant", "content": "Seen."}]},
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
-                      {"role": "assistant", "content": "A cat."}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Look: "}, {"type": "text", "text": "x"}],
+                },
+                {"role": "assistant", "content": "Seen."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]},
+                {"role": "assistant", "content": "A cat."},
+            ]
+        },
         {"messages": []},
         {"no_messages_key": True},
     ]
-    convs, dropped = load_source(DataSource(kind="messages", path=str(write_json("m.jsonl", records, jsonl=True))))
+    convs, dropped = load_source(
+        DataSource(kind="messages", path=str(write_json("m.jsonl", records, jsonl=True)))
+    )
     assert [c[0]["content"] for c in convs] == ["Hi", "Look: x"]
     assert dropped == Counter({"non_text_content": 1, "empty": 1, "malformed_record": 1})
 
@@ -137,7 +160,10 @@ def test_missing_path_is_an_error(tmp_path):
 
 def test_hf_disk_messages_column(tmp_path, hf_disk_writer):
     rows = [
-        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}], "id": i}
+        {
+            "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+            "id": i,
+        }
         for i in range(5)
     ]
     rows.append({"messages": [{"role": "user", "content": "no answer"}], "id": 5})
@@ -150,8 +176,11 @@ def test_hf_disk_messages_column(tmp_path, hf_disk_writer):
 def test_hf_disk_conversations_column_and_dataset_dict(tmp_path, hf_disk_writer):
     rows = [{"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]}]
     hf_disk_writer(tmp_path / "dd" / "train", rows, "conversations")
-    hf_disk_writer(tmp_path / "dd" / "test", [{"conversations": [{"from": "human", "value": "t"},
-                                                                   {"from": "gpt", "value": "t"}]}], "conversations")
+    hf_disk_writer(
+        tmp_path / "dd" / "test",
+        [{"conversations": [{"from": "human", "value": "t"}, {"from": "gpt", "value": "t"}]}],
+        "conversations",
+    )
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     convs, dropped = load_source(DataSource(kind="hf_disk", path=str(tmp_path / "dd")))
     assert convs == [[{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]]

@@ -42,17 +42,33 @@ def perturb(model, seed: int = 0, scale: float = 0.05):
     return model
 
 
-def provenance(folder: Path, model, *, kind: str, target: Path, speculative_tokens: int,
-               mask_token_id: int | None = None, fingerprint: str = "test-fp") -> None:
+def provenance(
+    folder: Path,
+    model,
+    *,
+    kind: str,
+    target: Path,
+    speculative_tokens: int,
+    mask_token_id: int | None = None,
+    fingerprint: str = "test-fp",
+) -> None:
     info = read_target_info(str(target))
     extracted, aux = layers_of(target)
     vocab = model.vocab
     write_provenance(
-        folder, recipe_name="test", fingerprint=fingerprint, drafter=kind, verifier=str(target),
-        extracted_layer_ids=extracted, aux_layer_ids=aux, mask_token_id=mask_token_id,
+        folder,
+        recipe_name="test",
+        fingerprint=fingerprint,
+        drafter=kind,
+        verifier=str(target),
+        extracted_layer_ids=extracted,
+        aux_layer_ids=aux,
+        mask_token_id=mask_token_id,
         draft_vocab_size=None if vocab.is_identity else vocab.draft_vocab_size,
-        d2t=None if vocab.is_identity else vocab.d2t, speculative_tokens=speculative_tokens,
-        target_hidden_size=info.hidden_size, target_vocab_size=info.vocab_size,
+        d2t=None if vocab.is_identity else vocab.d2t,
+        speculative_tokens=speculative_tokens,
+        target_hidden_size=info.hidden_size,
+        target_vocab_size=info.vocab_size,
     )
 
 
@@ -72,30 +88,69 @@ def _always_fixed(model, fixed_token: int | None):
     return model
 
 
-def dflash_checkpoint(target: Path, out: Path, *, fixed_token: int | None = None, block_size: int = 4,
-                      num_layers: int = 1, mask_token_id: int = 0, draft_vocab_size: int | None = None,
-                      seed: int = 0, fingerprint: str = "test-fp") -> Path:
+def dflash_checkpoint(
+    target: Path,
+    out: Path,
+    *,
+    fixed_token: int | None = None,
+    block_size: int = 4,
+    num_layers: int = 1,
+    mask_token_id: int = 0,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    fingerprint: str = "test-fp",
+) -> Path:
     """A DFlash for ``target``: perturbed random weights, or one that always proposes ``fixed_token``."""
     _, aux = layers_of(target)
-    model = DFlashDrafter.from_target(target, num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
-                                      num_context_layers=len(aux), vocab=_vocab(target, fixed_token, draft_vocab_size))
+    model = DFlashDrafter.from_target(
+        target,
+        num_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        num_context_layers=len(aux),
+        vocab=_vocab(target, fixed_token, draft_vocab_size),
+    )
     model = _always_fixed(perturb(model, seed), fixed_token)
-    folder = DFlash(model).export(out, verifier_name_or_path=str(target),
-                                  verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux)
-    provenance(folder, model, kind="dflash", target=target, speculative_tokens=block_size - 1,
-               mask_token_id=mask_token_id, fingerprint=fingerprint)
+    folder = DFlash(model).export(
+        out, verifier_name_or_path=str(target), verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux
+    )
+    provenance(
+        folder,
+        model,
+        kind="dflash",
+        target=target,
+        speculative_tokens=block_size - 1,
+        mask_token_id=mask_token_id,
+        fingerprint=fingerprint,
+    )
     return folder
 
 
-def eagle3_checkpoint(target: Path, out: Path, *, fixed_token: int | None = None, speculative_tokens: int = 3,
-                      draft_vocab_size: int | None = None, seed: int = 0, fingerprint: str = "test-fp") -> Path:
+def eagle3_checkpoint(
+    target: Path,
+    out: Path,
+    *,
+    fixed_token: int | None = None,
+    speculative_tokens: int = 3,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    fingerprint: str = "test-fp",
+) -> Path:
     """An Eagle3 for ``target``: perturbed random weights, or one that always proposes ``fixed_token``."""
     _, aux = layers_of(target)
-    model = Eagle3Drafter.from_target(target, num_aux_layers=len(aux),
-                                      vocab=_vocab(target, fixed_token, draft_vocab_size))
+    model = Eagle3Drafter.from_target(
+        target, num_aux_layers=len(aux), vocab=_vocab(target, fixed_token, draft_vocab_size)
+    )
     model = _always_fixed(perturb(model, seed), fixed_token)
     folder = Eagle3(model, speculative_tokens=speculative_tokens).export(
-        out, verifier_name_or_path=str(target), verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux)
-    provenance(folder, model, kind="eagle3", target=target, speculative_tokens=speculative_tokens,
-               fingerprint=fingerprint)
+        out, verifier_name_or_path=str(target), verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=aux
+    )
+    provenance(
+        folder,
+        model,
+        kind="eagle3",
+        target=target,
+        speculative_tokens=speculative_tokens,
+        fingerprint=fingerprint,
+    )
     return folder

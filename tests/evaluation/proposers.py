@@ -23,7 +23,9 @@ class OracleProposer:
         self.draft_length = int(draft_length)
 
     def _ahead(self, state: DraftState) -> list[int]:
-        known = self.continuations[state.prompt_index][state.num_generated: state.num_generated + self.draft_length]
+        known = self.continuations[state.prompt_index][
+            state.num_generated : state.num_generated + self.draft_length
+        ]
         return known + [0] * (self.draft_length - len(known))
 
     def propose(self, state: DraftState) -> list[int]:

@@ -63,12 +63,16 @@ def test_sound_checkpoint_has_no_problems(sound, tiny_llama_dir, kind):
 def test_layer_ids_shifted_by_one(copy):
     folder = copy("dflash")
     edit_config(folder, lambda c: c.update(aux_hidden_state_layer_ids=[2, 3]))
-    assert one(check_contract(folder)) == \
-        "config.json aux_hidden_state_layer_ids [2, 3] != trained [1, 2] (shifted by one?)"
+    assert (
+        one(check_contract(folder))
+        == "config.json aux_hidden_state_layer_ids [2, 3] != trained [1, 2] (shifted by one?)"
+    )
     folder = copy("eagle3")
     edit_config(folder, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1]))
-    assert one(check_contract(folder)) == \
-        "config.json eagle_aux_hidden_state_layer_ids [0, 1] != trained [1, 2] (shifted by one?)"
+    assert (
+        one(check_contract(folder))
+        == "config.json eagle_aux_hidden_state_layer_ids [0, 1] != trained [1, 2] (shifted by one?)"
+    )
 
 
 def test_wrong_d2t(copy):
@@ -78,8 +82,9 @@ def test_wrong_d2t(copy):
     edit_weights(folder, lambda t: t.update(d2t=torch.arange(256) * 3 + 1 - torch.arange(256)))
     message = one(check_contract(folder))
     assert message.startswith("model.safetensors d2t (sha256 ")
-    assert (f"!= the draft vocabulary used in training (sha256 {trained[:12]}…): "
-            "a stale or foreign d2t mapping") in message
+    assert (
+        f"!= the draft vocabulary used in training (sha256 {trained[:12]}…): a stale or foreign d2t mapping"
+    ) in message
 
 
 def test_wrong_mask_token(copy):
@@ -97,9 +102,15 @@ def test_verifier_and_draft_length_mismatches(copy, tiny_llama_dir):
 
     edit_config(folder, change)
     problems = check_contract(folder, verifier=str(tiny_llama_dir))
-    assert f"config.json verifier 'someone/other-model' != the target trained against '{tiny_llama_dir}'" in problems
+    assert (
+        f"config.json verifier 'someone/other-model' != the target trained against '{tiny_llama_dir}'"
+        in problems
+    )
     assert "config.json speculative_tokens 5 != trained 3" in problems
-    assert f"config.json verifier 'someone/other-model' != the target evaluated here '{tiny_llama_dir}'" in problems
+    assert (
+        f"config.json verifier 'someone/other-model' != the target evaluated here '{tiny_llama_dir}'"
+        in problems
+    )
     folder = copy("dflash")
     edit_config(folder, lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=7))
     assert "config.json block_size 4 drafts 3 tokens but speculative_tokens is 7" in check_contract(folder)
@@ -109,8 +120,10 @@ def test_fc_shape_against_number_of_aux_layers(copy):
     folder = copy("dflash")
     edit_config(folder, lambda c: c.update(aux_hidden_state_layer_ids=[1, 2, 3]))
     problems = check_contract(folder)
-    assert "fc.weight shape [64, 128] does not read the 3 aux layers [1, 2, 3] of hidden size 64 " \
-           "(expected [64, 192])" in problems
+    assert (
+        "fc.weight shape [64, 128] does not read the 3 aux layers [1, 2, 3] of hidden size 64 "
+        "(expected [64, 192])" in problems
+    )
     assert "config.json aux_hidden_state_layer_ids [1, 2, 3] != trained [1, 2]" in problems
 
 
@@ -118,8 +131,10 @@ def test_lm_head_rows_against_draft_vocab_size(copy):
     folder = copy("dflash")
     prov = read_provenance(folder)
     write_provenance(folder, **{**prov, "draft_vocab_size": 512})
-    assert one(check_contract(folder)) == \
-        "lm_head.weight has 256 rows but the drafter was trained with draft_vocab_size 512"
+    assert (
+        one(check_contract(folder))
+        == "lm_head.weight has 256 rows but the drafter was trained with draft_vocab_size 512"
+    )
     edit_config(folder, lambda c: c.update(draft_vocab_size=300))
     assert "lm_head.weight has 256 rows but config.json draft_vocab_size is 300" in check_contract(folder)
 
@@ -128,8 +143,10 @@ def test_reduced_vocabulary_in_file_but_full_vocabulary_in_training(copy):
     folder = copy("dflash")
     prov = read_provenance(folder)
     write_provenance(folder, **{**prov, "draft_vocab_size": None, "d2t_sha256": None})
-    assert one(check_contract(folder)) == \
-        "model.safetensors ships a d2t mapping but the drafter was trained on the full vocabulary"
+    assert (
+        one(check_contract(folder))
+        == "model.safetensors ships a d2t mapping but the drafter was trained on the full vocabulary"
+    )
 
 
 def test_identity_vocabulary_digest_matches_training_record(copy):
@@ -144,11 +161,14 @@ def test_missing_provenance_fingerprint_and_target_mismatch(copy, tiny_llama_dir
     folder = copy("eagle3")
     assert check_contract(folder, fingerprint="another-fp") == [
         "checkpoint trained on data 'test-fp' but evaluated with recipe data 'another-fp': its eval split is not "
-        "known to be held out for this checkpoint"]
+        "known to be held out for this checkpoint"
+    ]
     problems = check_contract(folder, read_target_info(str(smollm2_dir)))
     assert "drafter hidden size 64 != the target's 576" in problems
     (folder / PROVENANCE).unlink()
-    assert one(check_contract(folder)).startswith(f"no {PROVENANCE} in {folder}: the trainer's record is missing")
+    assert one(check_contract(folder)).startswith(
+        f"no {PROVENANCE} in {folder}: the trainer's record is missing"
+    )
 
 
 def test_assert_contract_lists_every_problem(copy):

@@ -21,28 +21,48 @@ from draftflow.plan import Plan
 pytestmark = pytest.mark.slow
 
 HA = 421
-QUESTIONS = ["Laugh: say ha ha ha ha ha ha ha ha ha ha ha ha ha.", "Laugh out loud: ha ha ha ha ha ha ha ha ha!",
-             "Say: ha ha, ha ha ha, ha, ha ha ha ha", "Laugh twice: ha ha. Then laugh three times: ha ha ha.",
-             "What is the capital of France?", "Name a color."]
+QUESTIONS = [
+    "Laugh: say ha ha ha ha ha ha ha ha ha ha ha ha ha.",
+    "Laugh out loud: ha ha ha ha ha ha ha ha ha!",
+    "Say: ha ha, ha ha ha, ha, ha ha ha ha",
+    "Laugh twice: ha ha. Then laugh three times: ha ha ha.",
+    "What is the capital of France?",
+    "Name a color.",
+]
 
 
 @pytest.fixture(scope="module")
 def recipe(smollm2_dir, tmp_path_factory):
     """A recipe over six conversations (two held out), prepared with the real prepare stage."""
     root = tmp_path_factory.mktemp("recipe")
-    records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ha ha"}]}
-               for q in QUESTIONS]
+    records = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ha ha"}]}
+        for q in QUESTIONS
+    ]
     (root / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "eval-test", "target": {"model": str(smollm2_dir)},
-        "data": {"sources": [{"kind": "messages", "path": str(root / "chats.jsonl")}], "eval_samples": 2,
-                 "max_length": 256},
-        "extraction": {"store": str(root / "store")},
-        "drafter": {"kind": "dflash", "block_size": 4, "num_layers": 1},
-        "training": {"pack_length": 512, "run_dir": str(root / "runs")},
-        "evaluation": {"num_prompts": 2, "max_new_tokens": 12, "min_acceptance_length": 1.0, "in_vllm": False},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "eval-test",
+                "target": {"model": str(smollm2_dir)},
+                "data": {
+                    "sources": [{"kind": "messages", "path": str(root / "chats.jsonl")}],
+                    "eval_samples": 2,
+                    "max_length": 256,
+                },
+                "extraction": {"store": str(root / "store")},
+                "drafter": {"kind": "dflash", "block_size": 4, "num_layers": 1},
+                "training": {"pack_length": 512, "run_dir": str(root / "runs")},
+                "evaluation": {
+                    "num_prompts": 2,
+                    "max_new_tokens": 12,
+                    "min_acceptance_length": 1.0,
+                    "in_vllm": False,
+                },
+            }
+        )
+    )
     plan = Plan.load(str(path))
     prepare(plan.recipe.data, plan.data, load_chat_encoder(plan.recipe.target))
     return plan
@@ -55,8 +75,17 @@ def checkpoint(recipe, smollm2_dir, tmp_path_factory):
 
 
 def test_cli_evaluates_the_held_out_prompts(recipe, checkpoint, capsys):
-    code = main(["evaluate", str(checkpoint), "--recipe", recipe.recipe_path, "--no-vllm",
-                 "--set", "evaluation.min_acceptance_length=1.01"])
+    code = main(
+        [
+            "evaluate",
+            str(checkpoint),
+            "--recipe",
+            recipe.recipe_path,
+            "--no-vllm",
+            "--set",
+            "evaluation.min_acceptance_length=1.01",
+        ]
+    )
     out = capsys.readouterr().out
     eval_dir = checkpoint.parent / "eval"
     assert default_eval_dir(checkpoint) == str(eval_dir)
@@ -72,8 +101,21 @@ def test_cli_evaluates_the_held_out_prompts(recipe, checkpoint, capsys):
 
 
 def test_gate_failure_is_exit_code_one(recipe, checkpoint, tmp_path, capsys):
-    code = main(["evaluate", str(checkpoint), "--recipe", recipe.recipe_path, "--no-vllm", "--out", str(tmp_path),
-                 "--set", "evaluation.min_acceptance_length=9.5", "--set", "evaluation.num_prompts=1"])
+    code = main(
+        [
+            "evaluate",
+            str(checkpoint),
+            "--recipe",
+            recipe.recipe_path,
+            "--no-vllm",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "evaluation.min_acceptance_length=9.5",
+            "--set",
+            "evaluation.num_prompts=1",
+        ]
+    )
     assert code == 1 and "FAIL" in capsys.readouterr().out
     assert not Evaluation.from_dict(json.loads((tmp_path / "report.json").read_text())).passed_gate
 
@@ -93,26 +135,47 @@ def test_broken_contract_writes_the_problems_and_raises(recipe, checkpoint, tmp_
     assert not written["publishable"]
 
 
-def test_disagreement_raises_after_the_report_is_written(recipe, checkpoint, smollm2_model, chat_ids, tmp_path,
-                                                         monkeypatch):
+def test_disagreement_raises_after_the_report_is_written(
+    recipe, checkpoint, smollm2_model, chat_ids, tmp_path, monkeypatch
+):
     """A vLLM report 25% below the simulator's τ (substituted: no server) must raise, report first."""
     import draftflow.evaluation.run as run_module
     from draftflow.evaluation.in_vllm import VLLMResult
 
     def fake_vllm(checkpoint_dir, prompts, **_):
         offline = run.offline.report
-        report = type(offline)(**{**offline.__dict__, "source": "vllm", "accepted_tokens": 0, "per_prompt": []})
+        report = type(offline)(
+            **{**offline.__dict__, "source": "vllm", "accepted_tokens": 0, "per_prompt": []}
+        )
         return VLLMResult(report, run.offline.outputs, None)
 
-    run = evaluate_prompts(checkpoint, [chat_ids(QUESTIONS[0])], target=recipe.target_model, max_new_tokens=12,
-                           stop_ids=[2], min_acceptance_length=1.0, agreement_tolerance=0.1, model=smollm2_model)
+    run = evaluate_prompts(
+        checkpoint,
+        [chat_ids(QUESTIONS[0])],
+        target=recipe.target_model,
+        max_new_tokens=12,
+        stop_ids=[2],
+        min_acceptance_length=1.0,
+        agreement_tolerance=0.1,
+        model=smollm2_model,
+    )
     tau = run.evaluation.offline.mean_acceptance_length
     assert tau > 2
     monkeypatch.setattr(run_module, "evaluate_in_vllm", fake_vllm)
     with pytest.raises(AgreementError) as err:
-        evaluate_prompts(checkpoint, [chat_ids(QUESTIONS[0])], target=recipe.target_model, max_new_tokens=12,
-                         stop_ids=[2], min_acceptance_length=1.0, agreement_tolerance=0.1, model=smollm2_model,
-                         in_vllm=True, server_factory=lambda *a: None, out_dir=tmp_path)
+        evaluate_prompts(
+            checkpoint,
+            [chat_ids(QUESTIONS[0])],
+            target=recipe.target_model,
+            max_new_tokens=12,
+            stop_ids=[2],
+            min_acceptance_length=1.0,
+            agreement_tolerance=0.1,
+            model=smollm2_model,
+            in_vllm=True,
+            server_factory=lambda *a: None,
+            out_dir=tmp_path,
+        )
     assert f"offline τ {tau:.4f}" in str(err.value) and "vLLM τ 1.0000" in str(err.value)
     assert str(tmp_path / "report.json") in str(err.value)
     assert json.loads((tmp_path / "report.json").read_text())["agrees"] is False

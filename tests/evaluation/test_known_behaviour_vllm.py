@@ -51,36 +51,61 @@ def run(smollm2_dir, smollm2_model, prompts, vllm_servers, tmp_path_factory):
 
     def evaluate(folder, measure_baseline: bool, meta: dict | None = None):
         return evaluate_prompts(
-            folder, prompts, target=str(smollm2_dir), max_new_tokens=MAX_NEW_TOKENS, stop_ids=[EOS],
-            min_acceptance_length=1.1, agreement_tolerance=0.001, prompt_names=list(QUESTIONS), in_vllm=True,
-            server_factory=factory, out_dir=folder.with_name(folder.name + "-eval"),
-            target_info=read_target_info(str(smollm2_dir)), fingerprint="test-fp",
-            measure_baseline=measure_baseline, model=smollm2_model, meta=meta,
+            folder,
+            prompts,
+            target=str(smollm2_dir),
+            max_new_tokens=MAX_NEW_TOKENS,
+            stop_ids=[EOS],
+            min_acceptance_length=1.1,
+            agreement_tolerance=0.001,
+            prompt_names=list(QUESTIONS),
+            in_vllm=True,
+            server_factory=factory,
+            out_dir=folder.with_name(folder.name + "-eval"),
+            target_info=read_target_info(str(smollm2_dir)),
+            fingerprint="test-fp",
+            measure_baseline=measure_baseline,
+            model=smollm2_model,
+            meta=meta,
         )
 
     return {
-        "eagle3": evaluate(eagle3_checkpoint(smollm2_dir, root / "eagle3", fixed_token=NA, speculative_tokens=4),
-                           measure_baseline=False),
-        "dflash": evaluate(dflash_checkpoint(smollm2_dir, root / "dflash", fixed_token=HA, block_size=4),
-                           measure_baseline=True,
-                           meta={"prompt_set": "known", "prompt_categories": CATEGORIES}),
+        "eagle3": evaluate(
+            eagle3_checkpoint(smollm2_dir, root / "eagle3", fixed_token=NA, speculative_tokens=4),
+            measure_baseline=False,
+        ),
+        "dflash": evaluate(
+            dflash_checkpoint(smollm2_dir, root / "dflash", fixed_token=HA, block_size=4),
+            measure_baseline=True,
+            meta={"prompt_set": "known", "prompt_categories": CATEGORIES},
+        ),
     }
 
 
 def counts(report):
     return {
-        "total": (report.drafter, report.draft_length, report.drafts, report.draft_tokens, report.accepted_tokens,
-                  report.accepted_per_position),
-        "per_prompt": [(p.prompt_id, p.drafts, p.draft_tokens, p.accepted, p.accepted_per_position,
-                        p.generated_tokens) for p in report.per_prompt],
+        "total": (
+            report.drafter,
+            report.draft_length,
+            report.drafts,
+            report.draft_tokens,
+            report.accepted_tokens,
+            report.accepted_per_position,
+        ),
+        "per_prompt": [
+            (p.prompt_id, p.drafts, p.draft_tokens, p.accepted, p.accepted_per_position, p.generated_tokens)
+            for p in report.per_prompt
+        ],
     }
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_vllm_counters_equal_the_simulator_exactly(run, kind):
     ev = run[kind].evaluation
-    print(f"{kind}: offline τ {ev.offline.mean_acceptance_length:.4f} per position {ev.offline.per_position}; "
-          f"vLLM τ {ev.vllm.mean_acceptance_length:.4f} per position {ev.vllm.per_position}")
+    print(
+        f"{kind}: offline τ {ev.offline.mean_acceptance_length:.4f} per position {ev.offline.per_position}; "
+        f"vLLM τ {ev.vllm.mean_acceptance_length:.4f} per position {ev.vllm.per_position}"
+    )
     assert counts(ev.vllm) == counts(ev.offline)
     assert ev.vllm.mean_acceptance_length == ev.offline.mean_acceptance_length and ev.relative_gap == 0.0
     assert ev.agrees and ev.passed_gate and ev.publishable
@@ -114,7 +139,9 @@ def test_outputs_are_lossless_in_vllm(run):
 def test_reports_written(run):
     paths = run["dflash"].paths
     data = json.loads(open(paths["report"]).read())
-    assert data["vllm"]["throughput"]["speedup"] > 0 and data["offline"]["per_prompt"][0]["prompt_id"] == "laugh"
+    assert (
+        data["vllm"]["throughput"]["speedup"] > 0 and data["offline"]["per_prompt"][0]["prompt_id"] == "laugh"
+    )
     assert "| vllm | 4 |" in open(paths["summary"]).read()
     assert open(paths["chart"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 

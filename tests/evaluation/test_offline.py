@@ -9,7 +9,12 @@ from known_drafters import dflash_checkpoint, eagle3_checkpoint
 from proposers import AlwaysWrongProposer, OracleProposer
 
 from draftflow.evaluation.offline import (
-    LosslessError, TargetRunner, check_same_as_greedy, evaluate_offline, greedy_generate, simulate,
+    LosslessError,
+    TargetRunner,
+    check_same_as_greedy,
+    evaluate_offline,
+    greedy_generate,
+    simulate,
 )
 
 pytestmark = pytest.mark.slow
@@ -25,9 +30,14 @@ def prompts(chat_ids):
 
 def hf_greedy(model, prompt, max_new_tokens):
     """An independent reference: transformers' own greedy generate, stopping at EOS."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
-                         pad_token_id=EOS)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_aux_states_follow_the_extraction_convention(smollm2_model, prompts):
@@ -54,7 +64,9 @@ def test_oracle_gives_k_plus_one_and_always_wrong_gives_one(smollm2_model, promp
     runner = TargetRunner(smollm2_model)
     # the continuation past max_new_tokens and past EOS: vLLM counts acceptances there too
     continuations = [greedy_generate(runner, p, n + k).tokens for p in prompts]
-    oracle = simulate(smollm2_model, OracleProposer(continuations, k), prompts, max_new_tokens=n, stop_ids=[EOS])
+    oracle = simulate(
+        smollm2_model, OracleProposer(continuations, k), prompts, max_new_tokens=n, stop_ids=[EOS]
+    )
     r = oracle.report
     assert r.mean_acceptance_length == k + 1 and r.acceptance_rate == 1.0
     assert r.accepted_per_position == [r.drafts] * k and r.per_position == [1.0] * k
@@ -63,8 +75,9 @@ def test_oracle_gives_k_plus_one_and_always_wrong_gives_one(smollm2_model, promp
     # one draft per k+1 tokens after the prefill's token, rounded up
     assert [p.drafts for p in r.per_prompt] == [-(-(len(o) - 1) // (k + 1)) for o in oracle.outputs]
 
-    wrong = simulate(smollm2_model, AlwaysWrongProposer(continuations, k, 49152), prompts, max_new_tokens=n,
-                     stop_ids=[EOS])
+    wrong = simulate(
+        smollm2_model, AlwaysWrongProposer(continuations, k, 49152), prompts, max_new_tokens=n, stop_ids=[EOS]
+    )
     w = wrong.report
     assert w.mean_acceptance_length == 1.0 and w.accepted_tokens == 0 and w.accepted_per_position == [0] * k
     assert [p.drafts for p in w.per_prompt] == [len(o) - 1 for o in wrong.outputs]
@@ -72,14 +85,22 @@ def test_oracle_gives_k_plus_one_and_always_wrong_gives_one(smollm2_model, promp
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
-def test_real_exported_drafter_output_equals_target_greedy(smollm2_model, smollm2_dir, prompts, tmp_path, kind):
+def test_real_exported_drafter_output_equals_target_greedy(
+    smollm2_model, smollm2_dir, prompts, tmp_path, kind
+):
     n = 16
     if kind == "dflash":
         folder = dflash_checkpoint(smollm2_dir, tmp_path / kind, block_size=4, draft_vocab_size=4096)
     else:
         folder = eagle3_checkpoint(smollm2_dir, tmp_path / kind, speculative_tokens=3)
-    result = evaluate_offline(folder, prompts, max_new_tokens=n, stop_ids=[EOS], model=smollm2_model,
-                              prompt_names=["alphabet", "france"])
+    result = evaluate_offline(
+        folder,
+        prompts,
+        max_new_tokens=n,
+        stop_ids=[EOS],
+        model=smollm2_model,
+        prompt_names=["alphabet", "france"],
+    )
     assert result.outputs == [hf_greedy(smollm2_model, p, n) for p in prompts]
     r = result.report
     assert r.source == "offline" and r.drafter == kind and r.draft_length == 3 and r.outputs_identical == 2

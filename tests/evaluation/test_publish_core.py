@@ -26,19 +26,38 @@ from draftflow.publish import Destination, PublishRefused, publish, push_hub
 REPO = Path(__file__).resolve().parents[2]
 
 
-def report_for(checkpoint: Path, out: Path, *, tau: float = 1.8, vllm_tau: float | None = None,
-               problems: list[str] | None = None, digest: str | None = "auto") -> Path:
+def report_for(
+    checkpoint: Path,
+    out: Path,
+    *,
+    tau: float = 1.8,
+    vllm_tau: float | None = None,
+    problems: list[str] | None = None,
+    digest: str | None = "auto",
+) -> Path:
     """A report.json (and chart) for ``checkpoint`` with the given acceptance, written like `evaluate` does."""
+
     def acceptance(source: str, t: float) -> AcceptanceReport:
         drafts, accepted = 20, round((t - 1.0) * 20)
-        return AcceptanceReport(source=source, drafter="dflash", draft_length=3, num_prompts=4, drafts=drafts,
-                                draft_tokens=60, accepted_tokens=accepted,
-                                accepted_per_position=[min(accepted, drafts), max(accepted - drafts, 0), 0])
+        return AcceptanceReport(
+            source=source,
+            drafter="dflash",
+            draft_length=3,
+            num_prompts=4,
+            drafts=drafts,
+            draft_tokens=60,
+            accepted_tokens=accepted,
+            accepted_per_position=[min(accepted, drafts), max(accepted - drafts, 0), 0],
+        )
 
     evaluation = Evaluation(
-        offline=acceptance("offline", tau), vllm=acceptance("vllm", vllm_tau) if vllm_tau else None,
-        min_acceptance_length=1.05, agreement_tolerance=0.1, checkpoint=str(checkpoint),
-        contract_problems=list(problems or []), meta={"recipe": "publish-core"},
+        offline=acceptance("offline", tau),
+        vllm=acceptance("vllm", vllm_tau) if vllm_tau else None,
+        min_acceptance_length=1.05,
+        agreement_tolerance=0.1,
+        checkpoint=str(checkpoint),
+        contract_problems=list(problems or []),
+        meta={"recipe": "publish-core"},
         checkpoint_digest=checkpoint_digest(checkpoint) if digest == "auto" else digest,
     )
     return evaluation.write(out)["report"]
@@ -51,10 +70,14 @@ def exported(tiny_llama_dir: Path, tmp_path: Path) -> Path:
     folder = dflash_checkpoint(tiny_llama_dir, tmp_path / "export")
     data = tmp_path / "chats.jsonl"
     data.write_text("")
-    recipe = {"name": "publish-core", "target": {"model": str(tiny_llama_dir)},
-              "data": {"sources": [{"kind": "sharegpt", "path": str(data), "max_samples": 100}], "eval_samples": 4},
-              "extraction": {"store": str(tmp_path / "store")}, "drafter": {"kind": "dflash", "block_size": 4},
-              "training": {"run_dir": str(tmp_path / "runs"), "epochs": 3}}
+    recipe = {
+        "name": "publish-core",
+        "target": {"model": str(tiny_llama_dir)},
+        "data": {"sources": [{"kind": "sharegpt", "path": str(data), "max_samples": 100}], "eval_samples": 4},
+        "extraction": {"store": str(tmp_path / "store")},
+        "drafter": {"kind": "dflash", "block_size": 4},
+        "training": {"run_dir": str(tmp_path / "runs"), "epochs": 3},
+    }
     (folder / EXPORT_RECIPE).write_text(yaml.safe_dump(recipe, sort_keys=False))
     return folder
 
@@ -74,7 +97,9 @@ def listing(fs, url: str) -> list[str]:
 ABSOLUTE_PATH = re.compile(r"(?:^|[\s`'\"(\[])(/[\w.-]+/[^\s`'\")\]]*)", re.MULTILINE)
 
 
-def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(exported, tmp_path, bucket, tiny_llama_dir):
+def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(
+    exported, tmp_path, bucket, tiny_llama_dir
+):
     destination, fs = bucket
     report = report_for(exported, tmp_path / "eval", vllm_tau=1.75)
     published = publish(exported, report, destination)
@@ -85,7 +110,9 @@ def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(exported, tm
     for local in (str(tmp_path), str(tiny_llama_dir), str(Path.home()), "${"):
         assert local not in card
     prose = re.sub(r"```.*?```", "", card, flags=re.DOTALL)
-    assert prose.count("\n# ") == 0 and card.startswith(f"# publish-core: a dflash drafter for {tiny_llama_dir.name}")
+    assert prose.count("\n# ") == 0 and card.startswith(
+        f"# publish-core: a dflash drafter for {tiny_llama_dir.name}"
+    )
     assert published.location in card  # the serve command reads the published copy
     assert f"vllm serve ./{tiny_llama_dir.name} --speculative-config" in card
     assert "| offline simulator | 4 | 20 | 1.800 |" in card and "| vLLM | 4 | 20 | 1.750 |" in card
@@ -126,7 +153,10 @@ def test_publishing_needs_agreement_and_contract_not_only_the_gate(exported, tmp
     if case == "disagree":  # gate passed (τ 1.8), but vLLM measured 1.3: beyond the 10% tolerance
         report, match = report_for(exported, tmp_path / "eval", vllm_tau=1.3), "disagree"
     else:
-        report, match = report_for(exported, tmp_path / "eval", problems=["layer ids shifted"]), "layer ids shifted"
+        report, match = (
+            report_for(exported, tmp_path / "eval", problems=["layer ids shifted"]),
+            "layer ids shifted",
+        )
     assert json.loads(Path(report).read_text())["passed_gate"]
     with pytest.raises(PublishRefused, match=match):
         publish(exported, report, destination)
@@ -135,7 +165,9 @@ def test_publishing_needs_agreement_and_contract_not_only_the_gate(exported, tmp
 
 def test_hub_repos_are_private_unless_the_destination_says_otherwise(exported, tmp_path, monkeypatch):
     assert Destination.parse("hf://org/drafter").private is True
-    assert Destination.parse("hf://org/drafter?private=false") == Destination("hf://org/drafter", private=False)
+    assert Destination.parse("hf://org/drafter?private=false") == Destination(
+        "hf://org/drafter", private=False
+    )
     assert Destination.parse("hf://org/drafter", private=False).private is False
     block = CheckpointDestination(hf_repo_id="org/drafter", hf_token="hf_x").destination()
     assert block.private and block.hub_repo == "org/drafter" and "hf_x" not in repr(block)
@@ -162,7 +194,11 @@ def test_hub_repos_are_private_unless_the_destination_says_otherwise(exported, t
 
 def test_the_publish_command(exported, tmp_path, s3):
     url = f"{s3['url']}/cli-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "DRAFTFLOW_STORAGE_OPTIONS": json.dumps(s3["storage_options"]), "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "DRAFTFLOW_STORAGE_OPTIONS": json.dumps(s3["storage_options"]),
+        "PYTHONPATH": str(REPO),
+    }
     report = report_for(exported, tmp_path / "eval")
     cmd = [sys.executable, "-m", "flows.cli", "publish", str(exported), "--report", str(report), "--to", url]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -171,6 +207,7 @@ def test_the_publish_command(exported, tmp_path, s3):
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert second.returncode == 0 and second.stdout.startswith("already published:")
     (tmp_path / "eval" / "report.json").write_text(
-        Path(report).read_text().replace('"min_acceptance_length": 1.05', '"min_acceptance_length": 3.0'))
+        Path(report).read_text().replace('"min_acceptance_length": 1.05', '"min_acceptance_length": 3.0')
+    )
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert refused.returncode == 1 and "gate failed" in refused.stderr

@@ -13,18 +13,34 @@ from draftflow.evaluation.report import AcceptanceReport, Evaluation, PromptAcce
 
 def report(source: str, drafts: int, accepted: int, per_pos: list[int], k: int = 3) -> AcceptanceReport:
     return AcceptanceReport(
-        source=source, drafter="dflash", draft_length=k, num_prompts=2, drafts=drafts, draft_tokens=drafts * k,
-        accepted_tokens=accepted, accepted_per_position=per_pos, max_new_tokens=32, outputs_identical=2,
-        per_prompt=[PromptAcceptance("a", drafts - 5, accepted, 32, (drafts - 5) * k, per_pos),
-                    PromptAcceptance("b", 5, 0, 6, 5 * k, [0] * k)],
+        source=source,
+        drafter="dflash",
+        draft_length=k,
+        num_prompts=2,
+        drafts=drafts,
+        draft_tokens=drafts * k,
+        accepted_tokens=accepted,
+        accepted_per_position=per_pos,
+        max_new_tokens=32,
+        outputs_identical=2,
+        per_prompt=[
+            PromptAcceptance("a", drafts - 5, accepted, 32, (drafts - 5) * k, per_pos),
+            PromptAcceptance("b", 5, 0, 6, 5 * k, [0] * k),
+        ],
         notes=["a note"],
     )
 
 
 def evaluation(offline_accepted=30, vllm_accepted=30, minimum=1.2, tolerance=0.1) -> Evaluation:
-    return Evaluation(report("offline", 20, offline_accepted, [12, 10, 8]),
-                      report("vllm", 20, vllm_accepted, [12, 10, 8]), minimum, tolerance, "/ckpt",
-                      contract_problems=[], meta={"recipe": "r", "prompt_ids": ["a", "b"]})
+    return Evaluation(
+        report("offline", 20, offline_accepted, [12, 10, 8]),
+        report("vllm", 20, vllm_accepted, [12, 10, 8]),
+        minimum,
+        tolerance,
+        "/ckpt",
+        contract_problems=[],
+        meta={"recipe": "r", "prompt_ids": ["a", "b"]},
+    )
 
 
 def test_numbers_follow_vllm_definitions():
@@ -84,7 +100,12 @@ def test_disagreement_names_both_numbers():
     ev = evaluation(offline_accepted=30, vllm_accepted=20, tolerance=0.1)  # τ 2.5 vs 2.0: gap 20%
     assert not ev.agrees
     message = ev.disagreement()
-    assert "offline τ 2.5000" in message and "vLLM τ 2.0000" in message and "20.0%" in message and "10.0%" in message
+    assert (
+        "offline τ 2.5000" in message
+        and "vLLM τ 2.0000" in message
+        and "20.0%" in message
+        and "10.0%" in message
+    )
     assert evaluation(offline_accepted=30, vllm_accepted=28).disagreement() is None  # τ 2.5 vs 2.4: 4%
 
 

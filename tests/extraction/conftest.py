@@ -32,7 +32,9 @@ def staging_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def extraction_server(vllm_servers, smollm2_dir: Path, staging_dir: Path):
     """SmolLM2 (fp32, CPU) extracting LAYER_IDS; shared by every module of this folder."""
-    return vllm_servers.get(smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(staging_dir), max_model_len=1024)
+    return vllm_servers.get(
+        smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(staging_dir), max_model_len=1024
+    )
 
 
 @pytest.fixture
@@ -40,7 +42,8 @@ def write_recipe(tmp_path: Path, smollm2_dir: Path, staging_dir: Path):
     """write_recipe(endpoint, store=..., **data_overrides) -> path of a recipe YAML in tmp_path."""
 
     def write(endpoint: str, store: str | None = None, name: str = "recipe.yaml", **data) -> str:
-        return write_recipe_file(tmp_path / name, smollm2_dir, store or str(tmp_path / "store"), endpoint,
-                                 str(staging_dir), **data)
+        return write_recipe_file(
+            tmp_path / name, smollm2_dir, store or str(tmp_path / "store"), endpoint, str(staging_dir), **data
+        )
 
     return write

@@ -34,7 +34,9 @@ def recipe_dict(model: Path, store: str, endpoint: str, staging: str | None = No
     }
 
 
-def write_recipe_file(path: Path, model: Path, store: str, endpoint: str, staging: str | None = None, **data) -> str:
+def write_recipe_file(
+    path: Path, model: Path, store: str, endpoint: str, staging: str | None = None, **data
+) -> str:
     path.write_text(yaml.safe_dump(recipe_dict(model, store, endpoint, staging, **data), sort_keys=False))
     return str(path)
 
@@ -48,13 +50,20 @@ def request_count(url: str) -> float:
     """Requests the server has finished (all reasons), from its Prometheus counters."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:request_success_total{")
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
     )
 
 
 def assert_bit_identical(got, want) -> None:
     """Same sample, same bytes: hidden states compared as raw bits, token ids and mask exactly."""
     assert got.sample_id == want.sample_id
-    assert got.hidden_states.dtype == want.hidden_states.dtype and got.hidden_states.shape == want.hidden_states.shape
-    assert torch.equal(got.hidden_states.view(torch.int32), want.hidden_states.view(torch.int32)), got.sample_id
+    assert (
+        got.hidden_states.dtype == want.hidden_states.dtype
+        and got.hidden_states.shape == want.hidden_states.shape
+    )
+    assert torch.equal(got.hidden_states.view(torch.int32), want.hidden_states.view(torch.int32)), (
+        got.sample_id
+    )
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.loss_mask, want.loss_mask)

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from extraction_helpers import HIDDEN, LAYER_IDS, assert_bit_identical, copy_prepared, request_count, write_recipe_file
+from extraction_helpers import (
+    HIDDEN,
+    LAYER_IDS,
+    assert_bit_identical,
+    copy_prepared,
+    request_count,
+    write_recipe_file,
+)
 
 from draftflow.cli import main as cli_main
 from draftflow.data.dataset import load_prepared, read_report
@@ -38,8 +45,13 @@ class Run:
 @pytest.fixture(scope="module")
 def local_run(extraction_server, smollm2_dir: Path, tmp_path_factory) -> Run:
     work = tmp_path_factory.mktemp("local-run")
-    recipe = write_recipe_file(work / "recipe.yaml", smollm2_dir, str(work / "store"), extraction_server.url,
-                               extraction_server.spec.staging_dir)
+    recipe = write_recipe_file(
+        work / "recipe.yaml",
+        smollm2_dir,
+        str(work / "store"),
+        extraction_server.url,
+        extraction_server.spec.staging_dir,
+    )
     plan = Plan.load(recipe)
     summary = run_extraction(plan)
     assert summary.ok and summary.shards_written == 4 and summary.samples_ok == 16, summary
@@ -65,7 +77,9 @@ def test_end_to_end_local_store(local_run: Run, smollm2_dir: Path, staging_dir: 
     assert manifest["sample_id"].to_pylist() == local_run.ids  # each train sample once, in shard order
     assert set(manifest["status"].to_pylist()) == {"ok"}
     assert manifest["layer_ids"][0].as_py() == LAYER_IDS and manifest["hidden_size"][0].as_py() == HIDDEN
-    assert set(manifest["dtype"].to_pylist()) == {"float32"} and set(manifest["mode"].to_pylist()) == {"offline"}
+    assert set(manifest["dtype"].to_pylist()) == {"float32"} and set(manifest["mode"].to_pylist()) == {
+        "offline"
+    }
     assert manifest["vllm_version"][0].as_py().startswith("0.")
     assert verify(local_run.store).ok
     assert list(staging_dir.iterdir()) == []  # every staging file was deleted after reading
@@ -85,7 +99,9 @@ def test_end_to_end_local_store(local_run: Run, smollm2_dir: Path, staging_dir: 
         # fp32, scaled per token: SmolLM2 has activation outliers of ~2.5e4 (see tests/vllm).
         bound = 1e-4 * want.abs() + 5e-4 * want.pow(2).mean(-1, keepdim=True).sqrt()
         worst = ((got - want).abs() / bound).amax(dim=(0, 2))
-        assert (worst <= 1.0).all(), f"sample {sid}: per-layer error / bound {worst.tolist()} (layers {LAYER_IDS})"
+        assert (worst <= 1.0).all(), (
+            f"sample {sid}: per-layer error / bound {worst.tolist()} (layers {LAYER_IDS})"
+        )
 
     again = run_extraction(local_run.plan)  # complete: nothing is requested or written
     assert again.shards_written == 0 and again.samples_present_before == 16
@@ -104,8 +120,10 @@ def test_s3_store_reads_back_bit_identical(local_run: Run, s3):
     # vLLM on CPU in fp32 is deterministic for the same prompts: the two runs store the same bytes.
     local_manifest = read_manifest(local_run.store)
     for sid in local_run.ids:
-        assert_bit_identical(load_sample(remote, manifest, sid, verify="sample"),
-                             load_sample(local_run.store, local_manifest, sid))
+        assert_bit_identical(
+            load_sample(remote, manifest, sid, verify="sample"),
+            load_sample(local_run.store, local_manifest, sid),
+        )
 
 
 def test_bit_flip_is_named_by_verify_and_regenerated(local_run: Run, tmp_path: Path, capsys):
@@ -128,7 +146,12 @@ def test_bit_flip_is_named_by_verify_and_regenerated(local_run: Run, tmp_path: P
     assert cli_main(["extract", local_run.recipe, "--set", f"extraction.store={store_dir}"]) == 0
     assert "1 of 4 shards written" in capsys.readouterr().out
     assert cli_main(["store", "verify", str(data)]) == 0
-    assert cli_main(["store", "reconcile", "--recipe", local_run.recipe, "--set", f"extraction.store={store_dir}"]) == 0
+    assert (
+        cli_main(
+            ["store", "reconcile", "--recipe", local_run.recipe, "--set", f"extraction.store={store_dir}"]
+        )
+        == 0
+    )
     manifest = read_manifest(store)
     assert manifest["sample_id"].to_pylist() == local_run.ids
     for sid in local_run.ids[8:12]:
@@ -142,11 +165,15 @@ def fresh_plan(local_run: Run, tmp_path: Path, mode: str) -> Plan:
     return plan
 
 
-def test_hybrid_requests_only_missing_samples_and_keeps_them(local_run: Run, extraction_server, tmp_path: Path):
+def test_hybrid_requests_only_missing_samples_and_keeps_them(
+    local_run: Run, extraction_server, tmp_path: Path
+):
     plan = fresh_plan(local_run, tmp_path, "hybrid")
     overrides = list(plan.overrides)
     for shard in ("000000", "000001"):  # half the shards pre-generated, as a Prefect shard task would
-        assert extract_shard_by_id(local_run.recipe, overrides, shard, [extraction_server.url]).samples_ok == 4
+        assert (
+            extract_shard_by_id(local_run.recipe, overrides, shard, [extraction_server.url]).samples_ok == 4
+        )
     assert extract_shard_by_id(local_run.recipe, overrides, "000000", [extraction_server.url]).skipped
 
     before = request_count(extraction_server.url)
@@ -188,9 +215,16 @@ def test_offline_mode_names_what_is_missing(local_run: Run, extraction_server, t
     assert "3 shards to (re)generate: 000000 (4 missing), 000002 (4 missing), 000003 (4 missing)" in message
 
 
-def test_regenerated_responses_through_the_extraction_server(extraction_server, write_recipe, staging_dir: Path):
-    recipe = write_recipe(extraction_server.url, num_samples=4, eval_samples=1, regenerate_responses=True,
-                          regenerate_max_tokens=16)
+def test_regenerated_responses_through_the_extraction_server(
+    extraction_server, write_recipe, staging_dir: Path
+):
+    recipe = write_recipe(
+        extraction_server.url,
+        num_samples=4,
+        eval_samples=1,
+        regenerate_responses=True,
+        regenerate_max_tokens=16,
+    )
     plan = Plan.load(recipe)
     summary = run_extraction(plan)
     assert summary.ok and summary.samples_ok == 3
@@ -198,5 +232,7 @@ def test_regenerated_responses_through_the_extraction_server(extraction_server, 
     assert report["regenerated"] is True and report["kept"] == {"train": 3, "eval": 1}
     for row in load_prepared(plan.data, "train").to_pylist():
         assert 0 < row["num_loss_tokens"] <= 17  # a reply of at most 16 tokens (+ end-of-turn)
-    assert read_manifest(Store(plan.data))["sample_id"].to_pylist() == [e.sample_id for e in expected_samples(plan)]
+    assert read_manifest(Store(plan.data))["sample_id"].to_pylist() == [
+        e.sample_id for e in expected_samples(plan)
+    ]
     assert list(staging_dir.iterdir()) == []  # chat requests' hidden-state files were deleted too

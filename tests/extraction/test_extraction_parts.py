@@ -40,9 +40,14 @@ def write_prepared(root: str, sample_ids: list[str]) -> None:
     layout = DataLayout(root)
     n = len(sample_ids)
     rows = {
-        "sample_id": sample_ids, "split": ["train"] * n,
-        "input_ids": [np.array([1, 2, 3], dtype=np.int32)] * n, "loss_mask": [np.array([0, 1, 1], dtype=np.uint8)] * n,
-        "num_tokens": [3] * n, "num_loss_tokens": [2] * n, "source": ["test"] * n, "messages": ["[]"] * n,
+        "sample_id": sample_ids,
+        "split": ["train"] * n,
+        "input_ids": [np.array([1, 2, 3], dtype=np.int32)] * n,
+        "loss_mask": [np.array([0, 1, 1], dtype=np.uint8)] * n,
+        "num_tokens": [3] * n,
+        "num_loss_tokens": [2] * n,
+        "source": ["test"] * n,
+        "messages": ["[]"] * n,
     }
     write_parquet(layout.samples, samples_table(rows), None)
     write_parquet(layout.token_counts, TOKEN_COUNTS_SCHEMA.empty_table(), None)
@@ -72,12 +77,17 @@ def test_train_set_keeps_stored_order(tmp_path: Path):
 @pytest.fixture
 def tiny_plan(tmp_path: Path, tiny_llama_dir: Path) -> Plan:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(json.dumps({
-        "name": "parts", "target": {"model": str(tiny_llama_dir)},
-        "data": {"sources": [{"kind": "chatterbot"}], "max_length": 64},
-        "extraction": {"store": str(tmp_path / "store"), "samples_per_shard": 3, "layer_ids": [1, 4]},
-        "drafter": {"kind": "dflash"},
-    }))
+    recipe.write_text(
+        json.dumps(
+            {
+                "name": "parts",
+                "target": {"model": str(tiny_llama_dir)},
+                "data": {"sources": [{"kind": "chatterbot"}], "max_length": 64},
+                "extraction": {"store": str(tmp_path / "store"), "samples_per_shard": 3, "layer_ids": [1, 4]},
+                "drafter": {"kind": "dflash"},
+            }
+        )
+    )
     plan = Plan.load(str(recipe))
     write_prepared(plan.data.root, [f"s{i:03d}" for i in range(7)])  # 3 shards: 3 + 3 + 1
     return plan
@@ -96,10 +106,15 @@ def test_plan_shard_plans_the_slice_of_the_stable_order(tiny_plan: Plan):
 
 
 def test_sample_failures_versus_server_failures():
-    assert "invalid hidden states: token_ids differ" == sample_failure(InvalidHiddenStates("token_ids differ", "/x"))
+    assert "invalid hidden states: token_ids differ" == sample_failure(
+        InvalidHiddenStates("token_ids differ", "/x")
+    )
     assert "HTTP 400" in sample_failure(RequestFailed("http://h", 400, "prompt too long"))
-    for err in (RequestFailed("http://h", 401, "no key"), RequestFailed("http://h", 503, "busy"),
-                EndpointUnavailable("refused")):
+    for err in (
+        RequestFailed("http://h", 401, "no key"),
+        RequestFailed("http://h", 503, "busy"),
+        EndpointUnavailable("refused"),
+    ):
         assert sample_failure(err) is None  # the server's fault: the shard fails, no sample is marked
 
 
@@ -159,7 +174,10 @@ def fragment_table(shards: dict[str, list[str]]) -> pa.Table:
 
 def test_samples_per_shard_is_inferred_only_when_consistent():
     expected = [f"s{i}" for i in range(10)]
-    assert infer_samples_per_shard(fragment_table({"000000": expected[:4], "000002": expected[8:]}), expected) == 4
+    assert (
+        infer_samples_per_shard(fragment_table({"000000": expected[:4], "000002": expected[8:]}), expected)
+        == 4
+    )
     with pytest.raises(RecipeError, match="cannot infer"):
         infer_samples_per_shard(fragment_table({"000001": expected[4:7]}), expected)  # not positions 3..5
     with pytest.raises(RecipeError, match="manifest is empty"):
@@ -169,10 +187,16 @@ def test_samples_per_shard_is_inferred_only_when_consistent():
 def test_progress_bar_in_a_log_prints_one_line_per_stage_and_shard():
     stream = io.StringIO()
     bar = ProgressBar(stream)
-    event = dict(samples_total=16, samples_planned=8, samples_done=4, tokens_done=400, shards_planned=2, extract_s=2.0)
+    event = dict(
+        samples_total=16, samples_planned=8, samples_done=4, tokens_done=400, shards_planned=2, extract_s=2.0
+    )
     bar(ExtractionProgress("reconcile", "stage", "reconciling /x", **event))
     bar(ExtractionProgress("extract", "sample", "", **event))  # not a terminal: no redraws
-    bar(ExtractionProgress("extract", "shard", "shard 000001 committed", samples_failed=1, shards_done=1, **event))
+    bar(
+        ExtractionProgress(
+            "extract", "shard", "shard 000001 committed", samples_failed=1, shards_done=1, **event
+        )
+    )
     assert stream.getvalue().splitlines() == [
         "reconcile: reconciling /x",
         "[############------------] 4/8 samples, shards 1/2, 200 tokens/s, 1 failed  shard 000001 committed",
@@ -202,6 +226,9 @@ def test_sweep_removes_only_old_unlocked_staging_files(tmp_path: Path):
     finally:
         os.close(held)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "cmpl-writing-0-abcd1234.safetensors", "cmpl-writing-0-abcd1234.safetensors.lock",
-        "cmpl-young-0-abcd1234.safetensors", "cmpl-young-0-abcd1234.safetensors.lock", "notes.txt",
+        "cmpl-writing-0-abcd1234.safetensors",
+        "cmpl-writing-0-abcd1234.safetensors.lock",
+        "cmpl-young-0-abcd1234.safetensors",
+        "cmpl-young-0-abcd1234.safetensors.lock",
+        "notes.txt",
     ]

@@ -15,7 +15,7 @@ import torch
 import yaml
 from extraction_helpers import HIDDEN, LAYER_IDS, recipe_dict
 
-from draftflow.data.regenerate import run_coroutine
+from draftflow.async_run import run_coroutine
 from draftflow.extraction import extract_samples, make_client, run_extraction, train_set
 from draftflow.plan import Plan
 from draftflow.store import Store, load_sample, read_manifest, verify
@@ -31,10 +31,21 @@ def test_fp8_store_from_vllm_is_close_to_full_precision_and_trains(
     data = recipe_dict(smollm2_dir, str(tmp_path / "store"), extraction_server.url)
     data["extraction"]["dtype"] = "float8_e4m3"
     data["drafter"] = {
-        "kind": "dflash", "block_size": 4, "max_anchors": 16, "num_layers": 1, "draft_vocab_size": 2048,
+        "kind": "dflash",
+        "block_size": 4,
+        "max_anchors": 16,
+        "num_layers": 1,
+        "draft_vocab_size": 2048,
     }
-    data["training"] = {"epochs": 2, "lr": 1e-3, "pack_length": 512, "device": "cpu", "log_every": 1,
-                        "warmup_ratio": 0.0, "run_dir": str(tmp_path / "runs")}
+    data["training"] = {
+        "epochs": 2,
+        "lr": 1e-3,
+        "pack_length": 512,
+        "device": "cpu",
+        "log_every": 1,
+        "warmup_ratio": 0.0,
+        "run_dir": str(tmp_path / "runs"),
+    }
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     plan = Plan.load(str(recipe))
@@ -66,12 +77,15 @@ def test_fp8_store_from_vllm_is_close_to_full_precision_and_trains(
 
     proc = subprocess.run(
         [sys.executable, "-m", "draftflow.train", str(recipe), "--run-id", "fp8"],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     metrics = [m for m in map(parse_line, lines) if m]
-    result = json.loads(next(ln for ln in lines if ln.startswith(RESULT_PREFIX))[len(RESULT_PREFIX):])
+    result = json.loads(next(ln for ln in lines if ln.startswith(RESULT_PREFIX))[len(RESULT_PREFIX) :])
     assert result["steps"] >= 2 and len(metrics) == result["steps"]
     assert all(math.isfinite(m["loss"]) for m in metrics)
     assert Path(result["export_dir"]).is_dir()

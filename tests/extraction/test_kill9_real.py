@@ -36,7 +36,10 @@ def start_extract(recipe: str, store_dir: Path) -> tuple[subprocess.Popen, float
     """Start `draftflow extract`; return it and the moment it began extracting (its progress line)."""
     proc = subprocess.Popen(
         [str(DRAFTFLOW), "extract", recipe, "--set", f"extraction.store={store_dir}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     for line in proc.stderr:
         if line.startswith("extract:"):
@@ -58,10 +61,17 @@ def assert_nothing_partial(store: Store, expected_ids: set[str]) -> int:
     return len(set(manifest["shard_id"].to_pylist()))
 
 
-def test_sigkill_at_random_points_then_rerun(extraction_server, smollm2_dir: Path, tmp_path: Path, staging_dir: Path):
+def test_sigkill_at_random_points_then_rerun(
+    extraction_server, smollm2_dir: Path, tmp_path: Path, staging_dir: Path
+):
     rng = random.Random(int(os.environ.get("DRAFTFLOW_CRASH_SEED", "2024")))
-    recipe = write_recipe_file(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "template"), extraction_server.url,
-                               str(staging_dir))
+    recipe = write_recipe_file(
+        tmp_path / "recipe.yaml",
+        smollm2_dir,
+        str(tmp_path / "template"),
+        extraction_server.url,
+        str(staging_dir),
+    )
     template = Plan.load(recipe)
     prepare_recipe(template.recipe, template.data)
     expected = [e.sample_id for e in expected_samples(template)]
@@ -102,5 +112,7 @@ def test_sigkill_at_random_points_then_rerun(extraction_server, smollm2_dir: Pat
     leftovers = [p for p in staging_dir.iterdir() if p.suffix == ".safetensors"]
     for path in leftovers:
         discard_hidden_states(str(path), lock_timeout_s=30)
-    print(f"kill -9: {partial}/{TRIALS} kills between commits, window {window:.1f}s, "
-          f"{len(leftovers)} staging files left by killed clients")
+    print(
+        f"kill -9: {partial}/{TRIALS} kills between commits, window {window:.1f}s, "
+        f"{len(leftovers)} staging files left by killed clients"
+    )

@@ -141,7 +141,7 @@ def test_cli_killed_five_times_leaves_no_server_and_the_data_intact(launch_run):
         log = run.dir / f"kill-{trial}.log"
         proc = run.start(log.name)
         if trial % 2:  # during extraction: a random instant after the first shards went out
-            wait_for(lambda: "extract:" in log.read_text(), 900, "extraction", proc)
+            wait_for(lambda log=log: "extract:" in log.read_text(), 900, "extraction", proc)
             time.sleep(rng.uniform(0, 6))
         else:  # anywhere from the lock and the launch to the first requests
             time.sleep(rng.uniform(3, 60))

@@ -25,8 +25,15 @@ class Synthetic:
     target_dir: str
 
 
-def make_synthetic(target_dir, rows: int = 2, t: int = 64, docs: int = 2, seed: int = 0, n_tokens: int = 48,
-                   draft_vocab_size: int = 128) -> Synthetic:
+def make_synthetic(
+    target_dir,
+    rows: int = 2,
+    t: int = 64,
+    docs: int = 2,
+    seed: int = 0,
+    n_tokens: int = 48,
+    draft_vocab_size: int = 128,
+) -> Synthetic:
     from transformers import LlamaForCausalLM
 
     g = torch.Generator().manual_seed(seed)
@@ -41,12 +48,13 @@ def make_synthetic(target_dir, rows: int = 2, t: int = 64, docs: int = 2, seed: 
             for i in range(d * length, (d + 1) * length):
                 ids[r, i] = x
                 x = succ[x]
-            doc[r, d * length:(d + 1) * length] = d
-            mask[r, d * length + length // 4:(d + 1) * length] = 1  # "prompt" then "response"
+            doc[r, d * length : (d + 1) * length] = d
+            mask[r, d * length + length // 4 : (d + 1) * length] = 1  # "prompt" then "response"
     model = LlamaForCausalLM.from_pretrained(target_dir).eval()
     captured = {}
     hook = model.model.layers[-1].register_forward_hook(
-        lambda mod, inp, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+        lambda mod, inp, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
     hook.remove()

@@ -25,20 +25,54 @@ REQUIRED_ALWAYS = ["speculators_model_type", "transformer_layer_config"]
 # algos.update_dflash: config_dict["aux_hidden_state_layer_ids"], config_dict["mask_token_id"]
 REQUIRED_DFLASH = ["mask_token_id", "aux_hidden_state_layer_ids"]
 # algos.update_eagle3 reads these (defaults exist, but the values must be ours)
-REQUIRED_EAGLE3 = ["eagle_aux_hidden_state_layer_ids", "norm_before_residual", "draft_vocab_size", "target_hidden_size"]
+REQUIRED_EAGLE3 = [
+    "eagle_aux_hidden_state_layer_ids",
+    "norm_before_residual",
+    "draft_vocab_size",
+    "target_hidden_size",
+]
 # fields the drafter classes read from the layer config
-LAYER_FIELDS = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-                "rope_parameters", "hidden_act", "attention_bias"]
+LAYER_FIELDS = [
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+    "hidden_act",
+    "attention_bias",
+]
 
-LAYER_WEIGHTS_DFLASH = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                        "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                        "input_layernorm.weight", "post_attention_layernorm.weight"]
-LAYER_WEIGHTS_EAGLE3 = ["hidden_norm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                        "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-                        "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-                        "post_attention_layernorm.weight"]
+LAYER_WEIGHTS_DFLASH = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+LAYER_WEIGHTS_EAGLE3 = [
+    "hidden_norm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
 
 
 def expected_dflash_weights(num_layers: int, reduced: bool) -> set[str]:
@@ -63,15 +97,27 @@ def perturbed(model):
 
 
 def dflash_model(synthetic, layers=2, vocab="reduced"):
-    return perturbed(DFlashDrafter.from_target(
-        synthetic.target_dir, num_layers=layers, block_size=4, mask_token_id=0, num_context_layers=3,
-        vocab=synthetic.vocab if vocab == "reduced" else None))
+    return perturbed(
+        DFlashDrafter.from_target(
+            synthetic.target_dir,
+            num_layers=layers,
+            block_size=4,
+            mask_token_id=0,
+            num_context_layers=3,
+            vocab=synthetic.vocab if vocab == "reduced" else None,
+        )
+    )
 
 
 def eagle3_model(synthetic, vocab="reduced", norm_before_residual=True):
-    return perturbed(Eagle3Drafter.from_target(
-        synthetic.target_dir, num_aux_layers=3, vocab=synthetic.vocab if vocab == "reduced" else None,
-        norm_before_residual=norm_before_residual))
+    return perturbed(
+        Eagle3Drafter.from_target(
+            synthetic.target_dir,
+            num_aux_layers=3,
+            vocab=synthetic.vocab if vocab == "reduced" else None,
+            norm_before_residual=norm_before_residual,
+        )
+    )
 
 
 def weights_of(folder) -> dict[str, tuple]:
@@ -92,14 +138,20 @@ def eagle3_outputs(model, batch):
     start, _, pos = batch.documents()
     with torch.no_grad():
         outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, start, 3)
-        drafts = model.propose(batch.hidden_states[:, :40], batch.input_ids[:, :40], batch.input_ids[:, 40], 3)
+        drafts = model.propose(
+            batch.hidden_states[:, :40], batch.input_ids[:, :40], batch.input_ids[:, 40], 3
+        )
     return torch.stack([model.compute_logits(o) for o in outs]), drafts
 
 
 def test_dflash_export_file_contract(synthetic, tmp_path):
     model = dflash_model(synthetic)
-    folder = DFlash(model).export(tmp_path / "d", verifier_name_or_path=synthetic.target_dir,
-                                  verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX)
+    folder = DFlash(model).export(
+        tmp_path / "d",
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+    )
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     for key in REQUIRED_ALWAYS + REQUIRED_DFLASH:
         assert key in cfg, key
@@ -121,8 +173,11 @@ def test_dflash_export_file_contract(synthetic, tmp_path):
 def test_eagle3_export_file_contract(synthetic, tmp_path):
     model = eagle3_model(synthetic, norm_before_residual=False)
     folder = Eagle3(model, speculative_tokens=5).export(
-        tmp_path / "e", verifier_name_or_path=synthetic.target_dir, verifier_architectures=["LlamaForCausalLM"],
-        aux_layer_ids=AUX)
+        tmp_path / "e",
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+    )
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     for key in REQUIRED_ALWAYS + REQUIRED_EAGLE3:
         assert key in cfg, key
@@ -139,9 +194,13 @@ def test_eagle3_export_file_contract(synthetic, tmp_path):
 
 def test_identity_vocab_ships_no_mapping_and_embeddings_are_optional(synthetic, tmp_path):
     model = dflash_model(synthetic, layers=1, vocab="identity")
-    folder = DFlash(model).export(tmp_path / "d", verifier_name_or_path=synthetic.target_dir,
-                                  verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX,
-                                  include_embeddings=True)
+    folder = DFlash(model).export(
+        tmp_path / "d",
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+        include_embeddings=True,
+    )
     weights = weights_of(folder)
     assert "d2t" not in weights and "t2d" not in weights and weights["lm_head.weight"][0] == (49152, 64)
     assert weights["embed_tokens.weight"][0] == (49152, 64)
@@ -159,8 +218,12 @@ def test_export_load_roundtrip_gives_identical_outputs(synthetic, tmp_path, kind
     else:
         model, outputs = eagle3_model(synthetic), eagle3_outputs
         drafter = Eagle3(model, speculative_tokens=3)
-    folder = drafter.export(tmp_path / kind, verifier_name_or_path=synthetic.target_dir,
-                            verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX)
+    folder = drafter.export(
+        tmp_path / kind,
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+    )
     reloaded = load_drafter(folder)  # embeddings come from the verifier named in config.json
     assert type(reloaded) is type(drafter) and reloaded.speculative_tokens == drafter.speculative_tokens
     loaded = reloaded.model
@@ -168,8 +231,13 @@ def test_export_load_roundtrip_gives_identical_outputs(synthetic, tmp_path, kind
     for a, b in zip(outputs(model, batch), outputs(loaded, batch)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # bf16 on disk: the loaded model is the bf16 cast of the original
-    folder16 = drafter.export(tmp_path / f"{kind}16", verifier_name_or_path=synthetic.target_dir,
-                              verifier_architectures=["LlamaForCausalLM"], aux_layer_ids=AUX, dtype=torch.bfloat16)
+    folder16 = drafter.export(
+        tmp_path / f"{kind}16",
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+        dtype=torch.bfloat16,
+    )
     assert json.loads((folder16 / EXPORT_CONFIG).read_text())["torch_dtype"] == "bfloat16"
     loaded16 = load_drafter(folder16).model
     assert loaded16.fc.weight.dtype == torch.bfloat16
@@ -184,5 +252,6 @@ def test_export_rejects_layer_ids_vllm_would_reorder_or_miscount(synthetic, tmp_
     with pytest.raises(ValueError, match="reads 3"):
         DFlash(model).export(tmp_path / "b", aux_layer_ids=[1, 2], **common)
     with pytest.raises(ValueError, match="verifier_name_or_path"):
-        DFlash(model).export(tmp_path / "c", aux_layer_ids=AUX, verifier_name_or_path="",
-                             verifier_architectures=[])
+        DFlash(model).export(
+            tmp_path / "c", aux_layer_ids=AUX, verifier_name_or_path="", verifier_architectures=[]
+        )

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from draftflow.models.common import (
-    PackedBatch, RMSNorm, RotaryEmbedding, dense_attention_lse, document_bounds, merge_attention,
-    range_attention_dense, range_attention_flex,
+    PackedBatch,
+    RMSNorm,
+    RotaryEmbedding,
+    dense_attention_lse,
+    document_bounds,
+    merge_attention,
+    range_attention_dense,
+    range_attention_flex,
 )
 
 
@@ -44,8 +50,12 @@ def test_rope_matches_transformers_neox_layout():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
-                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )
     pos = torch.tensor([[0, 1, 5, 17, 300]])
     x = torch.randn(1, 5, 4, 16)  # [B, T, heads, hd]
     cos, sin = LlamaRotaryEmbedding(cfg)(x, pos)
@@ -135,6 +145,8 @@ def test_rope_theta_from_target_configs():
     assert rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == 1e6
     llama31 = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}
     assert rope_theta(llama31) == 500000.0  # the drafter keeps default RoPE with the target's base
-    gemma = {"rope_parameters": {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_theta": 1e6}}}
+    gemma = {
+        "rope_parameters": {"sliding_attention": {"rope_theta": 1e4}, "full_attention": {"rope_theta": 1e6}}
+    }
     assert rope_theta(gemma) == 1e6
     assert rope_theta({"rope_theta": 5e5}) == 5e5 and rope_theta({}) == 1e4

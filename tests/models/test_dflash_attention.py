@@ -16,9 +16,20 @@ B = 4
 
 
 def tiny_config(**kw) -> DFlashConfig:
-    base = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                vocab_size=97, draft_vocab_size=97, num_context_layers=2, block_size=B, mask_token_id=3,
-                rope_theta=10000.0)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        draft_vocab_size=97,
+        num_context_layers=2,
+        block_size=B,
+        mask_token_id=3,
+        rope_theta=10000.0,
+    )
     return DFlashConfig(**{**base, **kw})
 
 
@@ -54,7 +65,9 @@ def naive_dflash(q, k, v, ctx_k, ctx_v, doc, pos, anchors, valid, scale):
 
 def blocks_for(batch, model, max_anchors=16, seed=0):
     start, end, pos = batch.documents()
-    anchors, valid = sample_anchors(batch.loss_mask, start, end, B, max_anchors, torch.Generator().manual_seed(seed))
+    anchors, valid = sample_anchors(
+        batch.loss_mask, start, end, B, max_anchors, torch.Generator().manual_seed(seed)
+    )
     return (start, end, pos, anchors, valid, *model.make_blocks(batch.input_ids, pos, start, anchors, valid))
 
 
@@ -111,7 +124,7 @@ def test_model_visibility_through_the_whole_drafter():
             for j in range(B):
                 changed_ids = ids.clone()
                 changed_ids[b, i, j] = (changed_ids[b, i, j] + 1) % 97
-                diff = (model(changed_ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi) - base)
+                diff = model(changed_ids, bpos, model.fuse_context(batch.hidden_states), pos, lo, hi) - base
                 diff = diff.abs().amax(-1) > 1e-6  # [Bt, A, B]
                 assert diff[b, i].all(), (b, i, j)  # non-causal: every slot sees slot j
                 diff[b, i] = False
@@ -144,7 +157,9 @@ def _training_step_shapes(num_anchors: int, t: int = 48) -> list[tuple[int, ...]
     reps = -(-num_anchors // anchors.shape[1])
     anchors, valid = anchors.repeat(1, reps)[:, :num_anchors], valid.repeat(1, reps)[:, :num_anchors]
     with LargestTensors() as rec:
-        dflash_loss(model, batch, gamma=4.0, max_anchors=num_anchors, anchors=(anchors, valid)).loss.backward()
+        dflash_loss(
+            model, batch, gamma=4.0, max_anchors=num_anchors, anchors=(anchors, valid)
+        ).loss.backward()
     return rec.shapes
 
 
@@ -173,8 +188,12 @@ def test_training_blocks_equal_vllm_style_proposals_on_the_truncated_context():
         for b, i in torch.nonzero(valid).tolist():
             a = int(anchors[b, i])
             s = int(start[b, a])
-            _, ref = model.propose(batch.hidden_states[b:b + 1, s:a], batch.input_ids[b:b + 1, a],
-                                   position_ids=pos[b:b + 1, s:a], return_logits=True)
+            _, ref = model.propose(
+                batch.hidden_states[b : b + 1, s:a],
+                batch.input_ids[b : b + 1, a],
+                position_ids=pos[b : b + 1, s:a],
+                return_logits=True,
+            )
             torch.testing.assert_close(logits[b, i, 1:], ref[0], rtol=0, atol=1e-5)
 
 
@@ -191,6 +210,6 @@ def test_chunked_sdpa_path_equals_the_log_sum_exp_reference_across_chunks():
     ref = dflash_attention_merged(q, k, v, ck, cv, lo, hi, 0.25)
     fast = dflash_attention_chunked(q, k, v, ck, cv, lo, hi, 0.25, max_chunk_queries=4 * 5)  # 8 chunks
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
-    g_ref, = torch.autograd.grad(ref.square().sum(), q)
-    g_fast, = torch.autograd.grad(fast.square().sum(), q)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), q)
+    (g_fast,) = torch.autograd.grad(fast.square().sum(), q)
     torch.testing.assert_close(g_fast, g_ref, rtol=1e-4, atol=1e-5)

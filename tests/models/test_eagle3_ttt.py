@@ -15,8 +15,17 @@ STEPS = 3
 
 
 def tiny_config(**kw) -> Eagle3Config:
-    base = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=97,
-                draft_vocab_size=97, num_aux_layers=2, rope_theta=10000.0)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        draft_vocab_size=97,
+        num_aux_layers=2,
+        rope_theta=10000.0,
+    )
     return Eagle3Config(**{**base, **kw})
 
 
@@ -41,7 +50,9 @@ def naive_layer_pass(model, token, hidden, pos, keys, values):
     v = attn.v_proj(x).view(attn.nkv, attn.hd)
     ks, vs = torch.stack(keys + [k]), torch.stack(values + [v])  # [n, nkv, hd]
     g = attn.nh // attn.nkv
-    out = torch.stack([torch.softmax(ks[:, i // g] @ q[i] / attn.hd**0.5, 0) @ vs[:, i // g] for i in range(attn.nh)])
+    out = torch.stack(
+        [torch.softmax(ks[:, i // g] @ q[i] / attn.hd**0.5, 0) @ vs[:, i // g] for i in range(attn.nh)]
+    )
     x = residual + attn.o_proj(out.flatten())
     return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
 
@@ -52,7 +63,7 @@ def naive_draft(model, batch, b, i, steps):
     output and token i+1+k, attending to the first pass's keys and the earlier steps' keys."""
     start, _, pos = batch.documents()
     s = int(start[b, i])
-    g = model.combine_hidden_states(batch.hidden_states[b:b + 1])[0]
+    g = model.combine_hidden_states(batch.hidden_states[b : b + 1])[0]
     ids = batch.input_ids[b]
     keys, values, out = [], [], None
     for t in range(s, i + 1):  # first pass: each position sees the first pass's keys <= itself
@@ -95,9 +106,9 @@ def test_ttt_step_never_sees_other_documents_or_other_anchors_drafts():
     for step in range(STEPS):
         for b, i in [(0, 3), (0, 9), (1, 11), (1, 21)]:
             (grad,) = torch.autograd.grad(outs[step][b, i].sum(), hidden, retain_graph=True)
-            seen = (grad.abs().flatten(2).amax(-1) > 0)
+            seen = grad.abs().flatten(2).amax(-1) > 0
             expected = torch.zeros_like(seen)
-            expected[b, int(start[b, i]):i + 1] = True
+            expected[b, int(start[b, i]) : i + 1] = True
             assert torch.equal(seen, expected), (step, b, i)
 
 

@@ -25,8 +25,9 @@ def test_dflash_block_targets_are_the_tokens_after_the_anchor(synthetic):
             for j in range(1, 4):
                 assert int(idx[b, i, j - 1]) == a + j
                 assert int(labels[b, i, j - 1]) == int(batch.input_ids[b, a + j])
-                assert bool(labelled[b, i, j - 1]) == (bool(valid[b, i]) and bool(batch.loss_mask[b, a + j])
-                                                        and a + j < int(end[b, a]))
+                assert bool(labelled[b, i, j - 1]) == (
+                    bool(valid[b, i]) and bool(batch.loss_mask[b, a + j]) and a + j < int(end[b, a])
+                )
 
 
 def test_eagle3_step_targets():
@@ -100,8 +101,14 @@ def test_dflash_loss_weights_slots_by_decay_and_ignores_the_anchor_slot(syntheti
     from draftflow.models.dflash.model import block_targets
 
     torch.manual_seed(0)
-    model = DFlashDrafter.from_target(synthetic.target_dir, num_layers=1, block_size=4, mask_token_id=0,
-                                      num_context_layers=3, vocab=synthetic.vocab)
+    model = DFlashDrafter.from_target(
+        synthetic.target_dir,
+        num_layers=1,
+        block_size=4,
+        mask_token_id=0,
+        num_context_layers=3,
+        vocab=synthetic.vocab,
+    )
     batch = synthetic.batch
     start, end, pos = batch.documents()
     anchors = sample_anchors(batch.loss_mask, start, end, 4, 8, torch.Generator().manual_seed(0))

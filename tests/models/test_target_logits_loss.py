@@ -28,9 +28,7 @@ def naive_soft_ce(logits_row: torch.Tensor, target_row: torch.Tensor) -> torch.T
 
 
 def grads(model) -> dict[str, torch.Tensor]:
-    return {
-        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
-    }
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_dflash_target_logits_loss_equals_per_item_formula(synthetic):
@@ -48,9 +46,7 @@ def test_dflash_target_logits_loss_equals_per_item_formula(synthetic):
     batch = synthetic.batch
     start, end, pos = batch.documents()
     # 24 anchors of ~2·48 eligible positions: blocks overlap, so target positions repeat
-    anchors = sample_anchors(
-        batch.loss_mask, start, end, b, 24, torch.Generator().manual_seed(0)
-    )
+    anchors = sample_anchors(batch.loss_mask, start, end, b, 24, torch.Generator().manual_seed(0))
     got = dflash_loss(
         model,
         batch,
@@ -87,14 +83,10 @@ def test_dflash_target_logits_loss_equals_per_item_formula(synthetic):
 def test_eagle3_target_logits_loss_equals_per_step_formula(synthetic):
     torch.manual_seed(0)
     steps, decay = 3, 0.8
-    model = Eagle3Drafter.from_target(
-        synthetic.target_dir, num_aux_layers=3, vocab=synthetic.vocab
-    )
+    model = Eagle3Drafter.from_target(synthetic.target_dir, num_aux_layers=3, vocab=synthetic.vocab)
     head = TargetHead.from_pretrained(synthetic.target_dir, synthetic.vocab)
     batch = synthetic.batch
-    got = eagle3_loss(
-        model, batch, steps=steps, decay=decay, loss="target_logits", target_head=head
-    ).loss
+    got = eagle3_loss(model, batch, steps=steps, decay=decay, loss="target_logits", target_head=head).loss
     got.backward()
     fast = grads(model)
     model.zero_grad()
@@ -104,9 +96,7 @@ def test_eagle3_target_logits_loss_equals_per_step_formula(synthetic):
     expected = torch.zeros(())
     for k, out in enumerate(outs):
         _, ok = step_targets(batch.input_ids, batch.loss_mask.bool(), end, k)
-        per_item = soft_cross_entropy(
-            model.compute_logits(out), head(shift_left(batch.last_hidden, 1 + k))
-        )
+        per_item = soft_cross_entropy(model.compute_logits(out), head(shift_left(batch.last_hidden, 1 + k)))
         expected = expected + decay**k * (per_item * ok).sum() / ok.sum()
     expected.backward()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
@@ -117,17 +107,13 @@ def test_eagle3_target_logits_loss_equals_per_step_formula(synthetic):
 def test_target_head_probs_at_equals_the_head_applied_per_position(synthetic):
     head = TargetHead.from_pretrained(synthetic.target_dir, synthetic.vocab)
     last = synthetic.batch.last_hidden  # [2, 64, H]
-    index = torch.tensor(
-        [[5, 9, 5, 63, 0, 9], [9, 9, 1, 2, 63, 5]]
-    )  # repeats within and across rows
+    index = torch.tensor([[5, 9, 5, 63, 0, 9], [9, 9, 1, 2, 63, 5]])  # repeats within and across rows
     probs, rows = head.probs_at(last, index)
     assert probs.shape[0] == 9  # distinct (row, position) pairs
     for b in range(2):
         for n in range(index.shape[1]):
             expected = torch.softmax(head(last[b, int(index[b, n])]), -1)
-            torch.testing.assert_close(
-                probs[rows[b, n]], expected, rtol=1e-6, atol=1e-7
-            )
+            torch.testing.assert_close(probs[rows[b, n]], expected, rtol=1e-6, atol=1e-7)
     keep = torch.tensor(
         [
             [True, False, False, True, False, False],
@@ -151,9 +137,7 @@ def test_gathered_soft_cross_entropy_equals_the_plain_one_with_gradient():
     target_logits = 3 * torch.randn(7, 50, generator=g)
     index = torch.randint(0, 7, (2, 5, 3), generator=g)
     weights = torch.rand(2, 5, 3, generator=g)
-    fast = soft_cross_entropy_gathered(
-        logits, torch.softmax(target_logits, -1), index, chunk_rows=4
-    )
+    fast = soft_cross_entropy_gathered(logits, torch.softmax(target_logits, -1), index, chunk_rows=4)
     (fast * weights).sum().backward()
     fast_grad, logits.grad = logits.grad.clone(), None
     plain = soft_cross_entropy(logits, target_logits[index])

@@ -33,15 +33,25 @@ CASES = {
 
 def build(case: dict, synthetic, out: Path) -> Path:
     vocab = synthetic.vocab if case["reduced"] else None
-    common = dict(verifier_name_or_path=synthetic.target_dir, verifier_architectures=["LlamaForCausalLM"],
-                  aux_layer_ids=[1, 2, 3])
+    common = dict(
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=[1, 2, 3],
+    )
     gen = torch.Generator().manual_seed(1)
     if case["kind"] == "dflash":
-        model = DFlashDrafter.from_target(synthetic.target_dir, num_layers=case["layers"], block_size=case["block"],
-                                          mask_token_id=7, num_context_layers=3, vocab=vocab)
+        model = DFlashDrafter.from_target(
+            synthetic.target_dir,
+            num_layers=case["layers"],
+            block_size=case["block"],
+            mask_token_id=7,
+            num_context_layers=3,
+            vocab=vocab,
+        )
     else:
-        model = Eagle3Drafter.from_target(synthetic.target_dir, num_aux_layers=3, vocab=vocab,
-                                          norm_before_residual=case["nbr"])
+        model = Eagle3Drafter.from_target(
+            synthetic.target_dir, num_aux_layers=3, vocab=vocab, norm_before_residual=case["nbr"]
+        )
     with torch.no_grad():  # trained-looking weights: norms away from 1, every layer distinct
         for p in model.parameters():
             if p.requires_grad:
@@ -58,11 +68,19 @@ def test_proposals_match_vllm(name, synthetic, vllm_python, tmp_path):
     folder = build(case, synthetic, tmp_path / "drafter")
     batch, t = synthetic.batch, 40
     num_tokens = 4 if case["kind"] == "eagle3" else case["block"] - 1
-    inputs = {"aux": batch.hidden_states[0, :t].flatten(-2), "input_ids": batch.input_ids[0, :t],
-              "next_token": int(batch.input_ids[0, t]), "num_tokens": num_tokens}
+    inputs = {
+        "aux": batch.hidden_states[0, :t].flatten(-2),
+        "input_ids": batch.input_ids[0, :t],
+        "next_token": int(batch.input_ids[0, t]),
+        "num_tokens": num_tokens,
+    }
     torch.save(inputs, tmp_path / "inputs.pt")
-    result = subprocess.run([vllm_python, str(REFERENCE), str(folder), str(tmp_path / "inputs.pt"),
-                             str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [vllm_python, str(REFERENCE), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     ref = json.loads((tmp_path / "out.json").read_text())
 
@@ -73,7 +91,10 @@ def test_proposals_match_vllm(name, synthetic, vllm_python, tmp_path):
         assert ref["architecture"] == "DFlashDraftModel" and ref["mask_token_id"] == 7
         drafts, logits = model.propose(aux, next_token, return_logits=True)
         if case["layers"] > 1 and not ref["grouped_k_norm_ok"]:
-            print("vLLM CPU grouped k_norm kernel still applies layer 0's weights to all layers", file=sys.stderr)
+            print(
+                "vLLM CPU grouped k_norm kernel still applies layer 0's weights to all layers",
+                file=sys.stderr,
+            )
     else:
         assert ref["architecture"] == "Eagle3LlamaForCausalLM"
         drafts, logits = model.propose(aux, batch.input_ids[:1, :t], next_token, 4, return_logits=True)

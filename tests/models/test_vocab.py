@@ -84,12 +84,21 @@ def test_flipped_bit_in_cached_draft_vocab_is_detected_and_rebuilt(tmp_path, smo
     from draftflow.train.drafter import draft_vocab
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "vocab-test", "target": {"model": str(smollm2_dir)},
-        "data": {"sources": [{"kind": "chatterbot", "max_samples": 40}], "eval_samples": 2, "max_length": 96},
-        "extraction": {"store": str(tmp_path / "store")},
-        "drafter": {"kind": "dflash", "block_size": 4, "draft_vocab_size": 512},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "vocab-test",
+                "target": {"model": str(smollm2_dir)},
+                "data": {
+                    "sources": [{"kind": "chatterbot", "max_samples": 40}],
+                    "eval_samples": 2,
+                    "max_length": 96,
+                },
+                "extraction": {"store": str(tmp_path / "store")},
+                "drafter": {"kind": "dflash", "block_size": 4, "draft_vocab_size": 512},
+            }
+        )
+    )
     plan = Plan.load(str(recipe))
     prepare_recipe(plan.recipe, plan.data)
     built = draft_vocab(plan)

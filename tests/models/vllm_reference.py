@@ -48,8 +48,9 @@ def main(folder: str, inputs_path: str, out_path: str) -> None:
 
     inputs = torch.load(inputs_path)
     aux, ids = inputs["aux"].float(), inputs["input_ids"].long()
-    t = ids.shape[0]
-    vc = EngineArgs(model=folder, dtype="float32", enforce_eager=True, max_model_len=512).create_engine_config()
+    vc = EngineArgs(
+        model=folder, dtype="float32", enforce_eager=True, max_model_len=512
+    ).create_engine_config()
     hf = vc.speculative_config.draft_model_config.hf_config
     target_dir = vc.model_config.model
     weights = load_file(os.path.join(folder, "model.safetensors"))
@@ -71,8 +72,11 @@ def main(folder: str, inputs_path: str, out_path: str) -> None:
         hd = getattr(hf, "head_dim", None) or hf.hidden_size // nh
         scale = hd**-0.5
         with torch.no_grad():
-            result = run_dflash(model, aux, ids, inputs, nh, nkv, hd, scale) if arch == "DFlashDraftModel" \
+            result = (
+                run_dflash(model, aux, ids, inputs, nh, nkv, hd, scale)
+                if arch == "DFlashDraftModel"
                 else run_eagle3(model, aux, ids, inputs, nh, nkv, hd, scale)
+            )
     result["architecture"] = arch
     with open(out_path, "w") as f:
         json.dump(result, f)
@@ -102,8 +106,9 @@ def run_dflash(model, aux, ids, inputs, nh, nkv, hd, scale):
     stock = model.model._normalize_context_k
 
     def per_layer_k_norm(all_k):  # [L, num_ctx, nkv, hd]
-        return torch.stack([layer.self_attn.k_norm.forward_native(all_k[i])
-                            for i, layer in enumerate(model.model.layers)])
+        return torch.stack(
+            [layer.self_attn.k_norm.forward_native(all_k[i]) for i, layer in enumerate(model.model.layers)]
+        )
 
     probe = torch.randn(len(model.model.layers), t, nkv, hd)
     grouped_ok = torch.allclose(stock(probe), per_layer_k_norm(probe), atol=1e-5)
@@ -114,8 +119,12 @@ def run_dflash(model, aux, ids, inputs, nh, nkv, hd, scale):
     block[0] = inputs["next_token"]
     hidden = model(input_ids=block, positions=t + torch.arange(b))  # last_pos + 1 + offset
     logits = model.compute_logits(hidden[1:])
-    return {"drafts": logits.argmax(-1).tolist(), "logits": draft_columns(logits).tolist(),
-            "mask_token_id": int(model.model.mask_token_id), "grouped_k_norm_ok": grouped_ok}
+    return {
+        "drafts": logits.argmax(-1).tolist(),
+        "logits": draft_columns(logits).tolist(),
+        "mask_token_id": int(model.model.mask_token_id),
+        "grouped_k_norm_ok": grouped_ok,
+    }
 
 
 def run_eagle3(model, aux, ids, inputs, nh, nkv, hd, scale):
@@ -129,7 +138,9 @@ def run_eagle3(model, aux, ids, inputs, nh, nkv, hd, scale):
             cache["v"].append(v)
             kpos = torch.cat(cache["pos"])
             visible = kpos[None, :] <= cache["q_pos"][:, None]
-            return softmax_attention(q, torch.cat(cache["k"]), torch.cat(cache["v"]), visible, nh, nkv, hd, scale)
+            return softmax_attention(
+                q, torch.cat(cache["k"]), torch.cat(cache["v"]), visible, nh, nkv, hd, scale
+            )
 
         layer.self_attn.attn.forward = forward
     hidden = model.combine_hidden_states(aux)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from extraction_helpers import LAYER_IDS
 from prefect_helpers import HERE, PREFECT, REPO, stop_group  # first: puts tests/extraction on sys.path
 
 from draftflow.vllm.launch import free_port
-from extraction_helpers import LAYER_IDS
 
 
 @dataclass
@@ -46,12 +46,22 @@ def prefect_server(tmp_path_factory):
     port = free_port()
     log = home / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false",
-               PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(port),
-               PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")  # schedules are tested with short intervals
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PREFECT_SERVER_API_HOST="127.0.0.1",
+        PREFECT_SERVER_API_PORT=str(port),
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
+    )  # schedules are tested with short intervals
     with log.open("wb") as out:
-        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     api_url = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + 120
@@ -66,8 +76,10 @@ def prefect_server(tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"prefect server not healthy after 120 s:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
-        with temporary_settings(updates={PREFECT_API_URL: api_url}), \
-                prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+        with (
+            temporary_settings(updates={PREFECT_API_URL: api_url}),
+            prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
+        ):
             yield PrefectServer(api_url, home, log)
             drain_prefect_workers()  # logs and events still queued reach the server before it stops
     finally:
@@ -117,13 +129,19 @@ def start_process(prefect_server: PrefectServer, result_storage: Path, tmp_path:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
         full_env.update(prefect_server.env())
         full_env.update(
-            PREFECT_HOME=str(tmp_path / f"home-{tag}"), PREFECT_LOCAL_STORAGE_PATH=str(result_storage),
-            PREFECT_RESULTS_PERSIST_BY_DEFAULT="true", PREFECT_RUNNER_POLL_FREQUENCY="1",
-            PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_LOGGING_LEVEL="INFO", PYTHONPATH=str(REPO), **(env or {}),
+            PREFECT_HOME=str(tmp_path / f"home-{tag}"),
+            PREFECT_LOCAL_STORAGE_PATH=str(result_storage),
+            PREFECT_RESULTS_PERSIST_BY_DEFAULT="true",
+            PREFECT_RUNNER_POLL_FREQUENCY="1",
+            PREFECT_WORKER_QUERY_SECONDS="1",
+            PREFECT_LOGGING_LEVEL="INFO",
+            PYTHONPATH=str(REPO),
+            **(env or {}),
         )
         with log.open("wb") as out:
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            )
         started.append(Runner(proc, log, result_storage))
         return started[-1]
 
@@ -174,8 +192,9 @@ def prefect_staging_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def extraction_server(vllm_servers, smollm2_dir: Path, prefect_staging_dir: Path):
     """The SmolLM2 extraction server (fp32, layers LAYER_IDS), one at a time on this host."""
-    return vllm_servers.get(smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(prefect_staging_dir),
-                            max_model_len=1024)
+    return vllm_servers.get(
+        smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(prefect_staging_dir), max_model_len=1024
+    )
 
 
 @pytest.fixture

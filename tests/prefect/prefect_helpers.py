@@ -46,8 +46,9 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
             continue
 
 
-def write_tiny_recipe(path: Path, model: Path, store: str, endpoint: str, name: str = "prefect-test",
-                      staging: str | None = None) -> str:
+def write_tiny_recipe(
+    path: Path, model: Path, store: str, endpoint: str, name: str = "prefect-test", staging: str | None = None
+) -> str:
     """SmolLM2, ~20 chatterbot train samples, 4 per shard, 128 tokens, fp32, no regeneration."""
     recipe = recipe_dict(model, store, endpoint, staging, num_samples=24, max_length=128)
     recipe["name"] = name
@@ -78,8 +79,11 @@ def wait_final(flow_run_id: UUID, timeout_s: float = 240, after_run_count: int =
 
 def retry_from_ui(api_url: str, flow_run_id: UUID) -> dict:
     """Exactly the request the UI's Retry button sends."""
-    response = httpx.post(f"{api_url}/flow_runs/{flow_run_id}/set_state",
-                          json={"state": UI_RETRY_STATE, "force": True}, timeout=30)
+    response = httpx.post(
+        f"{api_url}/flow_runs/{flow_run_id}/set_state",
+        json={"state": UI_RETRY_STATE, "force": True},
+        timeout=30,
+    )
     response.raise_for_status()
     return response.json()
 
@@ -92,8 +96,9 @@ def flow_run_logs(flow_run_id: UUID) -> list[str]:
     lines, offset = [], 0
     with get_client(sync_client=True) as client:
         while True:
-            page = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200,
-                                    offset=offset)
+            page = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=offset
+            )
             lines += [log.message for log in page]
             if len(page) < 200:
                 return lines
@@ -127,11 +132,24 @@ def checkpoint_and_report(target: Path, folder: Path, tau: float, min_tau: float
     checkpoint = dflash_checkpoint(target, folder / "checkpoint")
     drafts = 20
     accepted = round((tau - 1.0) * drafts)
-    offline = AcceptanceReport(source="offline", drafter="dflash", draft_length=3, num_prompts=4, drafts=drafts,
-                               draft_tokens=3 * drafts, accepted_tokens=accepted,
-                               accepted_per_position=[min(accepted, drafts), max(accepted - drafts, 0), 0])
-    evaluation = Evaluation(offline=offline, vllm=None, min_acceptance_length=min_tau, agreement_tolerance=0.1,
-                            checkpoint=str(checkpoint), meta={"recipe": "prefect-publish"},
-                            checkpoint_digest=checkpoint_digest(checkpoint))
+    offline = AcceptanceReport(
+        source="offline",
+        drafter="dflash",
+        draft_length=3,
+        num_prompts=4,
+        drafts=drafts,
+        draft_tokens=3 * drafts,
+        accepted_tokens=accepted,
+        accepted_per_position=[min(accepted, drafts), max(accepted - drafts, 0), 0],
+    )
+    evaluation = Evaluation(
+        offline=offline,
+        vllm=None,
+        min_acceptance_length=min_tau,
+        agreement_tolerance=0.1,
+        checkpoint=str(checkpoint),
+        meta={"recipe": "prefect-publish"},
+        checkpoint_digest=checkpoint_digest(checkpoint),
+    )
     paths = evaluation.write(folder / "eval")
     return str(checkpoint), str(paths["report"])

@@ -24,10 +24,13 @@ def main(spec_path: str) -> None:
         module, attribute = spec["flow"].split(":")
         flow = getattr(import_module(module), attribute)
         interval = spec.get("interval_s")
-        deployments.append(flow.to_deployment(
-            name=spec["name"], parameters=spec.get("parameters") or {},
-            interval=timedelta(seconds=interval) if interval else None,
-        ))
+        deployments.append(
+            flow.to_deployment(
+                name=spec["name"],
+                parameters=spec.get("parameters") or {},
+                interval=timedelta(seconds=interval) if interval else None,
+            )
+        )
     serve(*deployments, limit=1)
 
 

@@ -12,7 +12,13 @@ from pathlib import Path
 import fsspec
 import pytest
 from prefect_helpers import (
-    checkpoint_and_report, flow_run_logs, stop_group, trigger, wait_final, write_publish_recipe, write_tiny_recipe,
+    checkpoint_and_report,
+    flow_run_logs,
+    stop_group,
+    trigger,
+    wait_final,
+    write_publish_recipe,
+    write_tiny_recipe,
 )
 from pydantic import SecretStr
 
@@ -35,10 +41,17 @@ def test_blocks_register_save_load_keep_secrets_secret(prefect_server, capsys):
     assert capsys.readouterr().out.split() == [w for s in slugs for w in ("registered", "block", "type", s)]
     key, api_key, token = planted("s3-secret"), planted("vllm-key"), planted("hf-token")
     blocks = {
-        VLLMServer: VLLMServer(endpoints=["http://127.0.0.1:8000", "http://127.0.0.1:8001"], api_key=api_key,
-                               launch={"device": "cpu", "max_model_len": 1024}),
-        HiddenStateStore: HiddenStateStore(url="s3://bucket/store", access_key_id="AKIDPLANT", secret_access_key=key,
-                                           storage_options={"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}),
+        VLLMServer: VLLMServer(
+            endpoints=["http://127.0.0.1:8000", "http://127.0.0.1:8001"],
+            api_key=api_key,
+            launch={"device": "cpu", "max_model_len": 1024},
+        ),
+        HiddenStateStore: HiddenStateStore(
+            url="s3://bucket/store",
+            access_key_id="AKIDPLANT",
+            secret_access_key=key,
+            storage_options={"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}},
+        ),
         CheckpointDestination: CheckpointDestination(hf_repo_id="org/drafter", hf_token=token),
     }
     with get_client(sync_client=True) as client:
@@ -58,8 +71,10 @@ def test_blocks_register_save_load_keep_secrets_secret(prefect_server, capsys):
     assert vllm.settings().endpoints == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     assert vllm.settings().launch.max_model_len == 1024
     assert isinstance(store.secret_access_key, SecretStr)
-    assert store.settings() == ("s3://bucket/store", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
-                                                      "key": "AKIDPLANT", "secret": key})
+    assert store.settings() == (
+        "s3://bucket/store",
+        {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "key": "AKIDPLANT", "secret": key},
+    )
     assert isinstance(dest.hf_token, SecretStr) and dest.settings()["hf_token"] == token
     with pytest.raises(ValueError, match="exactly one of"):
         CheckpointDestination(url="s3://x", hf_repo_id="org/drafter").settings()
@@ -71,8 +86,13 @@ def read_everything(fs, root: str) -> bytes:
 
 
 def local_bytes(*folders: Path) -> dict[str, bytes]:
-    return {str(p): p.read_bytes() for folder in folders if folder.exists()
-            for p in ([folder] if folder.is_file() else folder.rglob("*")) if p.is_file()}
+    return {
+        str(p): p.read_bytes()
+        for folder in folders
+        if folder.exists()
+        for p in ([folder] if folder.is_file() else folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def decoded_result(blob: bytes) -> bytes:
@@ -89,36 +109,74 @@ def decoded_result(blob: bytes) -> bytes:
 
 
 @pytest.mark.slow
-def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_server, s3, smollm2_dir: Path,
-                                    tiny_llama_dir: Path, tmp_path: Path, prefect_staging_dir: Path):
+def test_planted_secrets_never_leak(
+    prefect_server,
+    start_runner,
+    extraction_server,
+    s3,
+    smollm2_dir: Path,
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    prefect_staging_dir: Path,
+):
     from prefect.client.orchestration import get_client
 
-    secrets = {"s3 key id": planted("AKID"), "s3 secret": planted("s3-secret"), "vllm api key": planted("vllm-key"),
-               "hub token": planted("hf-token"), "destination secret": planted("dest-secret")}
+    secrets = {
+        "s3 key id": planted("AKID"),
+        "s3 secret": planted("s3-secret"),
+        "vllm api key": planted("vllm-key"),
+        "hub token": planted("hf-token"),
+        "destination secret": planted("dest-secret"),
+    }
     client_kwargs = s3["storage_options"]["client_kwargs"]
     prefix = f"secrets-{uuid.uuid4().hex[:8]}"
     names = {k: f"{k}-{uuid.uuid4().hex[:8]}" for k in ("store", "vllm", "dest")}
-    HiddenStateStore(url=f"{s3['url']}/{prefix}/store", storage_options={"client_kwargs": client_kwargs},
-                     access_key_id=secrets["s3 key id"], secret_access_key=secrets["s3 secret"]).save(names["store"])
+    HiddenStateStore(
+        url=f"{s3['url']}/{prefix}/store",
+        storage_options={"client_kwargs": client_kwargs},
+        access_key_id=secrets["s3 key id"],
+        secret_access_key=secrets["s3 secret"],
+    ).save(names["store"])
     # The test server runs without --api-key and ignores the header; the key still goes through
     # the block, the tasks and every request, which is what must not leak.
     VLLMServer(endpoints=[extraction_server.url], api_key=secrets["vllm api key"]).save(names["vllm"])
-    CheckpointDestination(url=f"{s3['url']}/{prefix}/published", storage_options={"client_kwargs": client_kwargs},
-                          access_key_id="testing", secret_access_key=secrets["destination secret"],
-                          hf_token=secrets["hub token"]).save(names["dest"])
+    CheckpointDestination(
+        url=f"{s3['url']}/{prefix}/published",
+        storage_options={"client_kwargs": client_kwargs},
+        access_key_id="testing",
+        secret_access_key=secrets["destination secret"],
+        hf_token=secrets["hub token"],
+    ).save(names["dest"])
 
-    recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "unused-store"),
-                               "http://127.0.0.1:9", name="prefect-secrets",  # endpoints and store: from the blocks
-                               staging=str(prefect_staging_dir))
+    recipe = write_tiny_recipe(
+        tmp_path / "recipe.yaml",
+        smollm2_dir,
+        str(tmp_path / "unused-store"),
+        "http://127.0.0.1:9",
+        name="prefect-secrets",  # endpoints and store: from the blocks
+        staging=str(prefect_staging_dir),
+    )
     publish_recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
     checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path / "ckpt", tau=1.5)
-    runner = start_runner([
-        {"flow": "flows.stages:extract", "name": "secrets-extract",
-         "parameters": {"recipe": recipe, "store_block": names["store"], "vllm_block": names["vllm"]}},
-        {"flow": "flows.stages:publish", "name": "secrets-publish",
-         "parameters": {"recipe": publish_recipe, "checkpoint_dir": checkpoint, "report": report,
-                        "destination_block": names["dest"]}},
-    ])
+    runner = start_runner(
+        [
+            {
+                "flow": "flows.stages:extract",
+                "name": "secrets-extract",
+                "parameters": {"recipe": recipe, "store_block": names["store"], "vllm_block": names["vllm"]},
+            },
+            {
+                "flow": "flows.stages:publish",
+                "name": "secrets-publish",
+                "parameters": {
+                    "recipe": publish_recipe,
+                    "checkpoint_dir": checkpoint,
+                    "report": report,
+                    "destination_block": names["dest"],
+                },
+            },
+        ]
+    )
     runs = []
     for deployment in runner.deployment_names:
         runs.append(wait_final(trigger(deployment)))
@@ -128,7 +186,9 @@ def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_ser
     fs, _ = fsspec.core.url_to_fs(s3["url"], **s3["storage_options"])
     plan = Plan.load(recipe, [f"extraction.store={s3['url']}/{prefix}/store"])
     store = Store(plan.data, s3["storage_options"])
-    assert read_manifest(store)["sample_id"].to_pylist() == [e.sample_id for e in expected_samples(plan, store)]
+    assert read_manifest(store)["sample_id"].to_pylist() == [
+        e.sample_id for e in expected_samples(plan, store)
+    ]
     assert fs.find(f"draftflow-test/{prefix}/published")
     assert not (tmp_path / "unused-store").exists()
 
@@ -143,21 +203,32 @@ def test_planted_secrets_never_leak(prefect_server, start_runner, extraction_ser
             "deployments": "\n".join(d.model_dump_json() for d in client.read_deployments(limit=200)),
         }
     # not empty: the shard table, the published link, every shard task
-    assert "prefect-secrets-shards" in api_records["artifacts"] and "prefect-publish-published" in api_records["artifacts"]
+    assert (
+        "prefect-secrets-shards" in api_records["artifacts"]
+        and "prefect-publish-published" in api_records["artifacts"]
+    )
     assert "extract-000004" in api_records["task runs"]
-    files = local_bytes(tmp_path, runner.log, runner.results, prefect_server.log, Path(extraction_server.spec.log_path))
-    files.update({f"{name} (decoded)": decoded_result(blob) for name, blob in local_bytes(runner.results).items()})
+    files = local_bytes(
+        tmp_path, runner.log, runner.results, prefect_server.log, Path(extraction_server.spec.log_path)
+    )
+    files.update(
+        {f"{name} (decoded)": decoded_result(blob) for name, blob in local_bytes(runner.results).items()}
+    )
     assert any(b"prefect-secrets-shards" in blob for blob in files.values())  # the decoding works
     files["s3 bucket"] = read_everything(fs, f"draftflow-test/{prefix}")
     assert len(files["s3 bucket"]) > 100_000  # shards and weights were read back
-    leaks = [f"{what} in {where}" for what, secret in secrets.items()
-             for where, text in [*api_records.items(), *files.items()]
-             if secret.encode() in (text if isinstance(text, bytes) else text.encode())]
+    leaks = [
+        f"{what} in {where}"
+        for what, secret in secrets.items()
+        for where, text in [*api_records.items(), *files.items()]
+        if secret.encode() in (text if isinstance(text, bytes) else text.encode())
+    ]
+    assert leaks == []
 
 
-
-def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(tiny_llama_dir: Path, tmp_path: Path,
-                                                                       monkeypatch):
+def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch
+):
     """No Prefect needed: the core's own objects, the vLLM child's environment and argv, an exported
     drafter folder (recipe.yaml, command.txt, provenance) and error messages."""
     from draftflow.paths import DataLayout
@@ -167,23 +238,40 @@ def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(tiny_llama_
     from draftflow.vllm.launch import LaunchSpec, build_command, build_env
     from draftflow.vllm.server import ServerHandle
 
-    secrets = {"api key": planted("vllm-key"), "s3 secret": planted("s3-secret"), "env token": planted("hf-token"),
-               "arg token": planted("arg-token"), "arg key": planted("arg-key")}
+    secrets = {
+        "api key": planted("vllm-key"),
+        "s3 secret": planted("s3-secret"),
+        "env token": planted("hf-token"),
+        "arg token": planted("arg-token"),
+        "arg key": planted("arg-key"),
+    }
     # reprs (what a traceback, a log line or a Prefect result shows)
     store = Store(DataLayout(str(tmp_path / "store")), {"key": "AKID", "secret": secrets["s3 secret"]})
     handle = ServerHandle(endpoints=["http://127.0.0.1:9"], api_key=secrets["api key"])
-    spec = LaunchSpec(python="/bin/true", model="m", port=9, api_key=secrets["api key"],
-                      env={"HF_TOKEN": secrets["env token"]}, extra_args=["--hf-token", secrets["arg token"]])
-    shown = {"Store repr": f"{store!r} {store}", "ServerHandle repr": f"{handle!r} {handle}",
-             "LaunchSpec repr": f"{spec!r} {spec}"}
+    spec = LaunchSpec(
+        python="/bin/true",
+        model="m",
+        port=9,
+        api_key=secrets["api key"],
+        env={"HF_TOKEN": secrets["env token"]},
+        extra_args=["--hf-token", secrets["arg token"]],
+    )
+    shown = {
+        "Store repr": f"{store!r} {store}",
+        "ServerHandle repr": f"{handle!r} {handle}",
+        "LaunchSpec repr": f"{spec!r} {spec}",
+    }
     # the vLLM child: its environment gets the API key as vLLM's own variable, never the store's credentials
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps({"secret": secrets["s3 secret"]}))
     monkeypatch.setenv(VLLM_API_KEY_ENV, secrets["api key"])
     env = build_env(LaunchSpec(python="/bin/true", model="m", port=9, api_key=secrets["api key"]))
     assert env["VLLM_API_KEY"] == secrets["api key"]  # how vLLM reads it: the environment, not argv
-    shown["vLLM child env (besides VLLM_API_KEY)"] = json.dumps({k: v for k, v in env.items() if k != "VLLM_API_KEY"})
-    shown["vLLM child argv"] = " ".join(build_command(LaunchSpec(python="/bin/true", model="m", port=9,
-                                                                 api_key=secrets["api key"])))
+    shown["vLLM child env (besides VLLM_API_KEY)"] = json.dumps(
+        {k: v for k, v in env.items() if k != "VLLM_API_KEY"}
+    )
+    shown["vLLM child argv"] = " ".join(
+        build_command(LaunchSpec(python="/bin/true", model="m", port=9, api_key=secrets["api key"]))
+    )
     # an exported drafter folder whose recipe launched vLLM with secrets in env and extra_args
     recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
     overrides = [
@@ -199,12 +287,18 @@ def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(tiny_llama_
     assert "HF_TOKEN" in files[str(out / "recipe.yaml")].decode()
     # error messages
     errors = []
-    for bad in (f"vllm.launch.env.HF_TOKEN=[{secrets['env token']}", f"vllm.launch.extra_args=[--hf-token, {{{secrets['arg token']}"):
+    for bad in (
+        f"vllm.launch.env.HF_TOKEN=[{secrets['env token']}",
+        f"vllm.launch.extra_args=[--hf-token, {{{secrets['arg token']}",
+    ):
         with pytest.raises(RecipeError) as info:
             parse_override(bad)
         errors.append(str(info.value))
     shown["error messages"] = "\n".join(errors)
-    leaks = [f"{what} in {where}" for what, secret in secrets.items()
-             for where, text in [*shown.items(), *((k, v.decode(errors="replace")) for k, v in files.items())]
-             if secret in text]
+    leaks = [
+        f"{what} in {where}"
+        for what, secret in secrets.items()
+        for where, text in [*shown.items(), *((k, v.decode(errors="replace")) for k, v in files.items())]
+        if secret in text
+    ]
     assert leaks == [], "\n".join(leaks)

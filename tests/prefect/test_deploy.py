@@ -32,24 +32,59 @@ def test_deploy_creates_then_updates_a_scheduled_deployment(prefect_server, tmp_
     fork = tmp_path / "my-recipe.yaml"
     assert cli_main(["recipes", "cp", "smollm2-135m-dflash-cpu", str(fork)]) == 0
     pool, name = f"pool-{uuid.uuid4().hex[:6]}", f"nightly-{uuid.uuid4().hex[:6]}"
-    argv = ["deploy", str(fork), "--cron", "0 2 * * *", "--name", name, "--pool", pool,
-            "--set", "training.epochs=1", "--store-block", "team-store"]
+    argv = [
+        "deploy",
+        str(fork),
+        "--cron",
+        "0 2 * * *",
+        "--name",
+        name,
+        "--pool",
+        pool,
+        "--set",
+        "training.epochs=1",
+        "--store-block",
+        "team-store",
+    ]
     assert cli_main(argv) == 0
     assert f"on work pool '{pool}', cron '0 2 * * *' (UTC)" in capsys.readouterr().out
     deployment, work_pool = read_deployment(f"draftflow-pipeline/{name}")
     assert work_pool.type == "process"  # created because it was missing
     assert deployment.entrypoint == "flows/pipeline.py:pipeline"
-    assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
-    assert deployment.parameters == {"recipe": str(fork), "overrides": ["training.epochs=1"],
-                                     "store_block": "team-store"}
-    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in deployment.schedules] == \
-        [("0 2 * * *", "UTC", True)]
+    assert deployment.pull_steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ]
+    assert deployment.parameters == {
+        "recipe": str(fork),
+        "overrides": ["training.epochs=1"],
+        "store_block": "team-store",
+    }
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in deployment.schedules] == [
+        ("0 2 * * *", "UTC", True)
+    ]
 
-    assert cli_main(["deploy", str(fork), "--cron", "30 3 * * 1-5", "--timezone", "Europe/Paris", "--name", name,
-                     "--pool", pool]) == 0
+    assert (
+        cli_main(
+            [
+                "deploy",
+                str(fork),
+                "--cron",
+                "30 3 * * 1-5",
+                "--timezone",
+                "Europe/Paris",
+                "--name",
+                name,
+                "--pool",
+                pool,
+            ]
+        )
+        == 0
+    )
     updated, _ = read_deployment(f"draftflow-pipeline/{name}")
     assert updated.id == deployment.id  # the same deployment, updated in place
-    assert [(s.schedule.cron, s.schedule.timezone) for s in updated.schedules] == [("30 3 * * 1-5", "Europe/Paris")]
+    assert [(s.schedule.cron, s.schedule.timezone) for s in updated.schedules] == [
+        ("30 3 * * 1-5", "Europe/Paris")
+    ]
     assert updated.parameters == {"recipe": str(fork), "overrides": []}
 
     assert cli_main(["deploy", "no-such-recipe", "--pool", pool]) == 2
@@ -70,24 +105,42 @@ def test_shipped_prefect_yaml(prefect_server):
     assert [s["cron"] for s in entry["schedules"]] == ["0 2 * * *"]
 
     ensure_process_pool(DEFAULT_POOL)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, **prefect_server.env(),
-           "PREFECT_HOME": str(prefect_server.home / "cli")}
-    done = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+        **prefect_server.env(),
+        "PREFECT_HOME": str(prefect_server.home / "cli"),
+    }
+    done = subprocess.run(
+        [PREFECT, "--no-prompt", "deploy", "--all"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     deployment, pool = read_deployment(f"draftflow-pipeline/{entry['name']}")
     assert pool.type == "process" and deployment.work_pool_name == DEFAULT_POOL
     assert deployment.parameters["recipe"] == SHIPPED
     assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
-    assert deployment.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    assert deployment.pull_steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ]
     assert Plan.load(str(REPO / SHIPPED)).recipe.name == "smollm2-135m-dflash-cpu"
 
 
 @pytest.mark.slow
-def test_deployed_flow_runs_on_a_process_worker(prefect_server, start_process, extraction_endpoint,
-                                                prefect_staging_dir, smollm2_dir: Path, tmp_path: Path):
-    recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-worker", staging=str(prefect_staging_dir))
+def test_deployed_flow_runs_on_a_process_worker(
+    prefect_server, start_process, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+):
+    recipe = write_tiny_recipe(
+        tmp_path / "recipe.yaml",
+        smollm2_dir,
+        str(tmp_path / "store"),
+        extraction_endpoint,
+        name="prefect-worker",
+        staging=str(prefect_staging_dir),
+    )
     pool = f"pool-{uuid.uuid4().hex[:6]}"
     assert cli_main(["deploy", recipe, "--flow", "extract", "--name", "on-worker", "--pool", pool]) == 0
     worker = start_process([PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--limit", "1"])

@@ -22,8 +22,12 @@ def destination(prefect_server, s3):
     url = f"{s3['url']}/published-{uuid.uuid4().hex[:8]}"
     options = s3["storage_options"]
     name = f"dest-{uuid.uuid4().hex[:8]}"
-    CheckpointDestination(url=url, storage_options={"client_kwargs": options["client_kwargs"]},
-                          access_key_id=options["key"], secret_access_key=options["secret"]).save(name)
+    CheckpointDestination(
+        url=url,
+        storage_options={"client_kwargs": options["client_kwargs"]},
+        access_key_id=options["key"],
+        secret_access_key=options["secret"],
+    ).save(name)
     fs, _ = fsspec.core.url_to_fs(url, **options)
     fs.invalidate_cache()
     return name, url, fs

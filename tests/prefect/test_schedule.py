@@ -22,21 +22,40 @@ def scheduled_runs(deployment_name: str) -> list:
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(deployment_name)
         assert [s.schedule.interval.total_seconds() for s in deployment.schedules] == [10.0]
-        return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        )
 
 
-def test_interval_schedule_fires_and_completes(prefect_server, start_runner, extraction_endpoint,
-                                               prefect_staging_dir, smollm2_dir: Path, tmp_path: Path):
-    recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-scheduled", staging=str(prefect_staging_dir))
+def test_interval_schedule_fires_and_completes(
+    prefect_server, start_runner, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+):
+    recipe = write_tiny_recipe(
+        tmp_path / "recipe.yaml",
+        smollm2_dir,
+        str(tmp_path / "store"),
+        extraction_endpoint,
+        name="prefect-scheduled",
+        staging=str(prefect_staging_dir),
+    )
     plan = Plan.load(recipe)
     assert run_extraction(plan).ok  # the nightly case: the store is already complete
     samples = read_manifest(Store(plan.data))["sample_id"].to_pylist()
 
-    runner = start_runner([{"flow": "flows.stages:extract", "name": "every-10s", "interval_s": 10,
-                            "parameters": {"recipe": recipe}}])
+    runner = start_runner(
+        [
+            {
+                "flow": "flows.stages:extract",
+                "name": "every-10s",
+                "interval_s": 10,
+                "parameters": {"recipe": recipe},
+            }
+        ]
+    )
     deadline = time.monotonic() + 60
-    while not (runs := [r for r in scheduled_runs(runner.deployment_names[0]) if r.state.type.value != "SCHEDULED"]):
+    while not (
+        runs := [r for r in scheduled_runs(runner.deployment_names[0]) if r.state.type.value != "SCHEDULED"]
+    ):
         assert time.monotonic() < deadline, f"no scheduled run started in 60 s:\n{runner.output()[-3000:]}"
         time.sleep(1)
     run = wait_final(runs[0].id, timeout_s=180)

@@ -19,14 +19,23 @@ FAILING = ("000001", "000003")
 PROBES_PER_RUN = 1  # check-or-start probes each endpoint once per flow run (one extraction request)
 
 
-def test_retry_from_ui_reextracts_only_the_failed_shards(prefect_server, start_runner, extraction_endpoint,
-                                                         prefect_staging_dir, smollm2_dir: Path,
-                                                         tmp_path: Path):
-    recipe = write_tiny_recipe(tmp_path / "recipe.yaml", smollm2_dir, str(tmp_path / "store"), extraction_endpoint,
-                               name="prefect-ui-retry", staging=str(prefect_staging_dir))
+def test_retry_from_ui_reextracts_only_the_failed_shards(
+    prefect_server, start_runner, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+):
+    recipe = write_tiny_recipe(
+        tmp_path / "recipe.yaml",
+        smollm2_dir,
+        str(tmp_path / "store"),
+        extraction_endpoint,
+        name="prefect-ui-retry",
+        staging=str(prefect_staging_dir),
+    )
     runner = start_runner(
         [{"flow": "flows.stages:extract", "name": "ui-retry", "parameters": {"recipe": recipe}}],
-        env={"DRAFTFLOW_TEST_FAIL_SHARDS": ",".join(FAILING), "DRAFTFLOW_TEST_FAIL_ONCE_DIR": str(tmp_path / "once")},
+        env={
+            "DRAFTFLOW_TEST_FAIL_SHARDS": ",".join(FAILING),
+            "DRAFTFLOW_TEST_FAIL_ONCE_DIR": str(tmp_path / "once"),
+        },
     )
 
     before = request_count(extraction_endpoint)
@@ -65,5 +74,7 @@ def test_retry_from_ui_reextracts_only_the_failed_shards(prefect_server, start_r
         assert sorted(shard_states[shard]) == ["Cached", "Completed"], shard_states
     for shard in FAILING:
         assert sorted(shard_states[shard]) == ["Completed", "Failed"], shard_states
-    print(f"vLLM requests: first run {after_failure - before}, retry {after_retry - after_failure} "
-          f"({len(failing_samples)} samples of shards {', '.join(FAILING)} + {PROBES_PER_RUN} probe)")
+    print(
+        f"vLLM requests: first run {after_failure - before}, retry {after_retry - after_failure} "
+        f"({len(failing_samples)} samples of shards {', '.join(FAILING)} + {PROBES_PER_RUN} probe)"
+    )

@@ -12,6 +12,7 @@ import json
 import sys
 
 import store_synthetic as syn
+
 from draftflow.store import Store, reconcile, write_shard
 
 

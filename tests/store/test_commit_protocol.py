@@ -8,8 +8,8 @@ import time
 
 import pyarrow as pa
 import pytest
-
 import store_synthetic as syn
+
 from draftflow import paths
 from draftflow.store import (
     ExpectedSample,

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 import store_synthetic as syn
 import store_writer_loop
+
 from draftflow import paths
 from draftflow.store import Store, gc, ls, read_manifest, reconcile, verify
 from draftflow.store.shard import data_end, read_header

@@ -7,11 +7,18 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 import safetensors
+import store_synthetic as syn
 import torch
 
-import store_synthetic as syn
-from draftflow.store import CorruptShardError, iter_shard, load_sample, read_manifest, verify, write_shard
-from draftflow.store import fp8
+from draftflow.store import (
+    CorruptShardError,
+    fp8,
+    iter_shard,
+    load_sample,
+    read_manifest,
+    verify,
+    write_shard,
+)
 from draftflow.store.shard import FORMAT_VERSION, read_header
 
 FP8 = list(fp8.FP8_FORMATS)

@@ -7,8 +7,8 @@ import os
 import time
 
 import pytest
-
 import store_synthetic as syn
+
 from draftflow import paths
 from draftflow.cli import main as cli_main
 from draftflow.store import compact, gc, load_sample, read_manifest, write_shard

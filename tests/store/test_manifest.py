@@ -6,8 +6,8 @@ import time
 
 import pyarrow as pa
 import pytest
-
 import store_synthetic as syn
+
 from draftflow import paths
 from draftflow.store import FailedSample, Store, compact, gc, ls, read_manifest, verify, write_shard
 from draftflow.store.manifest import SCHEMA, from_ipc_bytes, to_ipc_bytes

@@ -5,8 +5,8 @@ from __future__ import annotations
 import fsspec
 import pyarrow.compute as pc
 import pytest
-
 import store_synthetic as syn
+
 from draftflow.store import Store, load_sample, read_manifest, write_shard
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 import store_synthetic as syn
+
 from draftflow.store import (
     CorruptShardError,
     ExpectedSample,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import safetensors
+import store_synthetic as syn
 import torch
 
-import store_synthetic as syn
 from draftflow.store import iter_shard, load_sample, read_manifest, write_shard
 from draftflow.store.shard import HIDDEN_DTYPES, TOKEN_DTYPES, read_header
 

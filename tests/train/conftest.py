@@ -25,8 +25,21 @@ RECIPE = {
     "data": {"sources": [{"kind": "chatterbot", "max_samples": 48}], "eval_samples": 4, "max_length": 96},
     "extraction": {"dtype": "float32", "samples_per_shard": 8},
     "vllm": {"endpoints": ["http://127.0.0.1:9"]},
-    "drafter": {"kind": "dflash", "block_size": 4, "max_anchors": 16, "num_layers": 1, "draft_vocab_size": 2048},
-    "training": {"epochs": 1, "lr": 1e-3, "pack_length": 256, "device": "cpu", "log_every": 1, "warmup_ratio": 0.0},
+    "drafter": {
+        "kind": "dflash",
+        "block_size": 4,
+        "max_anchors": 16,
+        "num_layers": 1,
+        "draft_vocab_size": 2048,
+    },
+    "training": {
+        "epochs": 1,
+        "lr": 1e-3,
+        "pack_length": 256,
+        "device": "cpu",
+        "log_every": 1,
+        "warmup_ratio": 0.0,
+    },
 }
 
 
@@ -48,7 +61,9 @@ def transformers_hidden_states(model, token_ids: torch.Tensor, layer_ids: list[i
     """[T, n_layers, H] in the extraction convention (id L = last layer before the final norm)."""
     captured = {}
     last = model.model.layers[-1]
-    hook = last.register_forward_hook(lambda m, i, o: captured.__setitem__("pre_norm", o[0] if isinstance(o, tuple) else o))
+    hook = last.register_forward_hook(
+        lambda m, i, o: captured.__setitem__("pre_norm", o[0] if isinstance(o, tuple) else o)
+    )
     with torch.no_grad():
         out = model(token_ids[None], output_hidden_states=True)
     hook.remove()

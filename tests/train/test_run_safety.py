@@ -31,7 +31,9 @@ def _layout(recipe: str, run_id: str, overrides: list[str] | None = None) -> Run
 
 def _complete(layout: RunLayout) -> list[Path]:
     folder = Path(layout.checkpoints_dir)
-    return sorted(c for c in folder.iterdir() if (c / CHECKPOINT_COMPLETE).exists()) if folder.exists() else []
+    return (
+        sorted(c for c in folder.iterdir() if (c / CHECKPOINT_COMPLETE).exists()) if folder.exists() else []
+    )
 
 
 def _refused(cmd: list[str]) -> str:
@@ -53,7 +55,10 @@ def test_torn_newest_checkpoint_falls_back_to_the_previous_one_and_the_run_finis
     assert len(result["torn_checkpoints"]) == 1 and "optimizer.pt" in result["torn_checkpoints"][0]
     assert result["steps"] > 4 and result["export_dir"]
     marker = json.loads((Path(layout.checkpoint(4)) / CHECKPOINT_COMPLETE).read_text())  # rewritten whole
-    assert marker["files"]["optimizer.pt"]["size"] == (Path(layout.checkpoint(4)) / "optimizer.pt").stat().st_size
+    assert (
+        marker["files"]["optimizer.pt"]["size"]
+        == (Path(layout.checkpoint(4)) / "optimizer.pt").stat().st_size
+    )
 
 
 def test_resume_under_changed_training_settings_is_refused_until_a_new_run_is_asked_for(train_dir):
@@ -79,8 +84,13 @@ def test_resume_under_changed_training_settings_is_refused_until_a_new_run_is_as
 
 def test_a_second_trainer_on_the_same_run_id_is_refused(train_dir):
     recipe = str(train_dir / "recipe.yaml")
-    first = subprocess.Popen(TRAIN + [recipe, "--run-id", "busy", "--set", "training.epochs=5", "--no-export"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
+    first = subprocess.Popen(
+        TRAIN + [recipe, "--run-id", "busy", "--set", "training.epochs=5", "--no-export"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
     try:
         for line in first.stdout:
             if parse_line(line):
@@ -90,8 +100,9 @@ def test_a_second_trainer_on_the_same_run_id_is_refused(train_dir):
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
-    _, other = _run(TRAIN + [recipe, "--run-id", "busy", "--max-steps", "1", "--no-export",
-                             "--set", "training.epochs=5"])  # free again once the first one is gone
+    _, other = _run(
+        TRAIN + [recipe, "--run-id", "busy", "--max-steps", "1", "--no-export", "--set", "training.epochs=5"]
+    )  # free again once the first one is gone
     assert other["resumed_from"]
 
 
@@ -103,8 +114,13 @@ def test_a_sample_that_always_fails_is_skipped_within_max_missing_fraction(train
     samples = source.load(shard)
     bad = shard[3]
     failed = FailedSample(bad, "prompt is longer than the server's max_model_len", samples[3].num_tokens)
-    write_shard(Store(plan.data), "000001", samples[:3] + [failed] + samples[4:],
-                extraction_info(plan, "offline", "transformers"), attempt=2)
+    write_shard(
+        Store(plan.data),
+        "000001",
+        samples[:3] + [failed] + samples[4:],
+        extraction_info(plan, "offline", "transformers"),
+        attempt=2,
+    )
 
     message = _refused(TRAIN + [recipe, "--run-id", "strict", "--max-steps", "1", "--no-export"])
     assert "1 failed" in message and "training.max_missing_fraction" in message
@@ -134,8 +150,17 @@ def _worker_pids(torchrun_pid: int) -> dict[int, int]:
 
 def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_they_resume_together(train_dir):
     recipe = str(train_dir / "recipe.yaml")
-    cmd = TORCHRUN + ["--nproc-per-node=2", "-m", "draftflow.train", recipe, "--run-id", "ranks",
-                      "--set", "training.epochs=3", "--no-export"]
+    cmd = TORCHRUN + [
+        "--nproc-per-node=2",
+        "-m",
+        "draftflow.train",
+        recipe,
+        "--run-id",
+        "ranks",
+        "--set",
+        "training.epochs=3",
+        "--no-export",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     for line in proc.stdout:
         record = parse_line(line)
@@ -150,13 +175,26 @@ def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_they_resume_togeth
         proc.kill()
         pytest.fail("the ranks did not agree on the stop: the job hangs")
     stderr = proc.stderr.read()
-    assert stderr.count(f"exitcode  : {EXIT_INTERRUPTED}") == 2, stderr[-3000:]  # torchrun's report, both ranks
+    assert stderr.count(f"exitcode  : {EXIT_INTERRUPTED}") == 2, stderr[
+        -3000:
+    ]  # torchrun's report, both ranks
     layout = _layout(recipe, "ranks")
     (stopped,) = _complete(layout)
     step = int(stopped.name.removeprefix("step-"))
 
-    resume = TORCHRUN + ["--nproc-per-node=2", "-m", "draftflow.train", recipe, "--run-id", "ranks",
-                         "--set", "training.epochs=3", "--no-export", "--max-steps", str(step + 1)]
+    resume = TORCHRUN + [
+        "--nproc-per-node=2",
+        "-m",
+        "draftflow.train",
+        recipe,
+        "--run-id",
+        "ranks",
+        "--set",
+        "training.epochs=3",
+        "--no-export",
+        "--max-steps",
+        str(step + 1),
+    ]
     done = subprocess.run(resume, check=False, capture_output=True, text=True, env=_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
@@ -165,19 +203,45 @@ def test_sigterm_to_one_rank_stops_both_at_one_checkpoint_and_they_resume_togeth
 
 def test_a_rank_that_cannot_read_the_chosen_checkpoint_fails_the_job_clearly(train_dir, tmp_path):
     recipe = str(train_dir / "recipe.yaml")
-    _run(TORCHRUN + ["--nproc-per-node=2", "-m", "draftflow.train", recipe, "--run-id", "local-disks",
-                     "--max-steps", "2", "--no-export"] + CHECKPOINT_EVERY_2)
+    _run(
+        TORCHRUN
+        + [
+            "--nproc-per-node=2",
+            "-m",
+            "draftflow.train",
+            recipe,
+            "--run-id",
+            "local-disks",
+            "--max-steps",
+            "2",
+            "--no-export",
+        ]
+        + CHECKPOINT_EVERY_2
+    )
     # Rank 1 on another node whose training.run_dir is a local disk without the checkpoint.
     elsewhere = tmp_path / "node-1-runs"
     elsewhere.mkdir()
     port = _free_port()
     procs = []
     for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
+        env = {
+            **_env(),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         extra = ["--set", f"training.run_dir={elsewhere}"] if rank == 1 else []
-        procs.append(subprocess.Popen(TRAIN + [recipe, "--run-id", "local-disks", "--no-export"] + extra,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(
+            subprocess.Popen(
+                TRAIN + [recipe, "--run-id", "local-disks", "--no-export"] + extra,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == EXIT_REFUSED, err[-3000:]

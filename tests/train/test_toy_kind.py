@@ -16,7 +16,7 @@ from draftflow import models
 from draftflow.evaluation.contract import check_contract
 from draftflow.evaluation.run import evaluate_checkpoint
 from draftflow.models import speculators
-from draftflow.models.algorithm import DraftState, DrafterAlgorithm, TrainSettings
+from draftflow.models.algorithm import DrafterAlgorithm, DraftState, TrainSettings
 from draftflow.models.common import PackedBatch, shift_left
 from draftflow.models.losses import LossOutput, draft_metrics, token_cross_entropy, weighted_mean
 from draftflow.models.target_weights import load_embeddings, read_config
@@ -68,16 +68,24 @@ class Toy(DrafterAlgorithm):
     def build(cls, recipe, target_model, *, num_context_layers, vocab, target_head=None):
         cfg = read_config(target_model)
         vocab = vocab or DraftVocab.identity(int(cfg["vocab_size"]))
-        model = ToyModel(int(cfg["hidden_size"]), num_context_layers, recipe.drafter.speculative_tokens, vocab)
+        model = ToyModel(
+            int(cfg["hidden_size"]), num_context_layers, recipe.drafter.speculative_tokens, vocab
+        )
         with torch.no_grad():
             model.embed_tokens.weight.copy_(load_embeddings(target_model))
-        return cls(model, speculative_tokens=model.k, settings=TrainSettings(recipe.drafter, recipe.training.loss))
+        return cls(
+            model, speculative_tokens=model.k, settings=TrainSettings(recipe.drafter, recipe.training.loss)
+        )
 
     @classmethod
     def model_from_config(cls, config, vocab):
         layer = config["transformer_layer_config"]
-        return ToyModel(int(layer["hidden_size"]), len(config[cls.aux_layer_ids_key]),
-                        speculators.speculative_tokens(config), vocab)
+        return ToyModel(
+            int(layer["hidden_size"]),
+            len(config[cls.aux_layer_ids_key]),
+            speculators.speculative_tokens(config),
+            vocab,
+        )
 
     def loss(self, batch: PackedBatch, generator=None) -> LossOutput:
         m, ids = self.model, batch.input_ids
@@ -85,12 +93,18 @@ class Toy(DrafterAlgorithm):
         _, doc_end, _ = batch.documents()
         idx = torch.arange(ids.shape[1])
         labels = torch.stack([shift_left(ids, 2 + j) for j in range(m.k)], -1)
-        labelled = torch.stack([shift_left(batch.loss_mask.bool(), 2 + j, False) & (idx + 2 + j < doc_end)
-                                for j in range(m.k)], -1)
+        labelled = torch.stack(
+            [shift_left(batch.loss_mask.bool(), 2 + j, False) & (idx + 2 + j < doc_end) for j in range(m.k)],
+            -1,
+        )
         draft_labels = m.vocab.to_draft(labels).masked_fill(~labelled, -1)
         loss = weighted_mean(token_cross_entropy(logits, draft_labels), labelled.float())
-        metrics = draft_metrics(logits.argmax(-1).reshape(-1, m.k), draft_labels.reshape(-1, m.k),
-                                labelled.reshape(-1, m.k), labelled[..., 0].reshape(-1))
+        metrics = draft_metrics(
+            logits.argmax(-1).reshape(-1, m.k),
+            draft_labels.reshape(-1, m.k),
+            labelled.reshape(-1, m.k),
+            labelled[..., 0].reshape(-1),
+        )
         return LossOutput(loss, metrics)
 
     @torch.no_grad()
@@ -101,7 +115,11 @@ class Toy(DrafterAlgorithm):
     def config_fields(self, aux_layer_ids):
         m = self.model
         ids = speculators.check_aux_layer_ids(aux_layer_ids, m.fc.in_features // m.fc.out_features)
-        layer = {"model_type": "toy", "hidden_size": m.fc.out_features, "vocab_size": m.vocab.target_vocab_size}
+        layer = {
+            "model_type": "toy",
+            "hidden_size": m.fc.out_features,
+            "vocab_size": m.vocab.target_vocab_size,
+        }
         return {"draft_vocab_size": m.draft_vocab, self.aux_layer_ids_key: ids}, layer
 
 
@@ -114,15 +132,23 @@ def toy_kind():
 
 def test_a_registered_toy_kind_trains_exports_and_evaluates_offline(toy_kind, train_dir, capsys):
     recipe = str(train_dir / "recipe.yaml")
-    overrides = ["drafter={kind: toy}", "evaluation.num_prompts=2", "evaluation.max_new_tokens=12",
-                 "evaluation.in_vllm=false"]
+    overrides = [
+        "drafter={kind: toy}",
+        "evaluation.num_prompts=2",
+        "evaluation.max_new_tokens=12",
+        "evaluation.in_vllm=false",
+    ]
     args = [recipe, "--run-id", "toy", "--max-steps", "4"] + sum((["--set", o] for o in overrides), [])
     assert train_main(args) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(RESULT_PREFIX))
-    export = Path(json.loads(line[len(RESULT_PREFIX):])["export_dir"])
+    export = Path(json.loads(line[len(RESULT_PREFIX) :])["export_dir"])
 
     config = json.loads((export / EXPORT_CONFIG).read_text())
-    assert config["speculators_model_type"] == "toy" and config["toy_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert config["speculators_model_type"] == "toy" and config["toy_aux_hidden_state_layer_ids"] == [
+        2,
+        15,
+        27,
+    ]
     assert speculators.speculative_tokens(config) == 2
     plan = Plan.load(recipe, overrides)
     assert check_contract(export, plan.target, verifier=plan.target_model, fingerprint=plan.fingerprint) == []

@@ -36,7 +36,9 @@ def test_epoch_order_is_seeded_and_differs_between_epochs():
     items = _items(50)
     assert epoch_order(items, 1, 0) == epoch_order(items, 1, 0)
     assert epoch_order(items, 1, 0) != epoch_order(items, 1, 1)
-    assert sorted(epoch_order(items, 1, 3), key=lambda i: i.sample_id) == sorted(items, key=lambda i: i.sample_id)
+    assert sorted(epoch_order(items, 1, 3), key=lambda i: i.sample_id) == sorted(
+        items, key=lambda i: i.sample_id
+    )
 
 
 def test_two_ranks_share_a_global_step_exactly_like_one_process_with_the_same_global_batch():

@@ -24,10 +24,17 @@ EOS = 2
 def test_trained_dflash_is_lossless_in_vllm_with_non_zero_acceptance(train_dir, smollm2_dir, vllm_servers):
     recipe = str(train_dir / "recipe.yaml")
     settings = ["--set", "training.epochs=6", "--set", "training.lr=3e-3", "--set", "drafter.max_anchors=64"]
-    proc = subprocess.run([sys.executable, "-m", "draftflow.train", recipe, "--run-id", "served", *settings],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftflow.train", recipe, "--run-id", "served", *settings],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))[len(RESULT_PREFIX):])
+    result = json.loads(
+        next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))[len(RESULT_PREFIX) :]
+    )
 
     plan = Plan.load(recipe)
     train = train_set(Store(plan.data))
@@ -38,10 +45,18 @@ def test_trained_dflash_is_lossless_in_vllm_with_non_zero_acceptance(train_dir, 
         prompts.append([int(t) for t in ids[:first_answer]])
 
     run = evaluate_prompts(
-        Path(result["export_dir"]), prompts, target=str(smollm2_dir), max_new_tokens=48, stop_ids=[EOS],
-        min_acceptance_length=1.0, agreement_tolerance=0.10, in_vllm=True, measure_baseline=True,
+        Path(result["export_dir"]),
+        prompts,
+        target=str(smollm2_dir),
+        max_new_tokens=48,
+        stop_ids=[EOS],
+        min_acceptance_length=1.0,
+        agreement_tolerance=0.10,
+        in_vllm=True,
+        measure_baseline=True,
         server_factory=reusing_factory(vllm_servers.get, max_model_len=1024),
-        target_info=plan.target, fingerprint=plan.fingerprint,
+        target_info=plan.target,
+        fingerprint=plan.fingerprint,
     )
     served = run.vllm.report
     assert served.outputs_identical == len(prompts), "greedy output with the drafter must equal SmolLM2's own"

@@ -16,8 +16,7 @@ from safetensors.torch import load_file
 from draftflow.paths import CHECKPOINT_COMPLETE, EXPORT_COMMAND, EXPORT_CONFIG, EXPORT_RECIPE, EXPORT_WEIGHTS
 from draftflow.plan import Plan
 from draftflow.sample_source import open_source
-from draftflow.train import drafter
-from draftflow.train import EXIT_INTERRUPTED, RESULT_PREFIX
+from draftflow.train import EXIT_INTERRUPTED, RESULT_PREFIX, drafter
 from draftflow.train.batches import collate
 from draftflow.train.metrics import parse_line
 
@@ -36,7 +35,7 @@ def _run(cmd: list[str], **kw) -> tuple[list[dict], dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     metrics = [m for m in map(parse_line, lines) if m]
-    result = json.loads(next(ln for ln in lines if ln.startswith(RESULT_PREFIX))[len(RESULT_PREFIX):])
+    result = json.loads(next(ln for ln in lines if ln.startswith(RESULT_PREFIX))[len(RESULT_PREFIX) :])
     return metrics, result
 
 
@@ -62,10 +61,34 @@ def test_training_exports_a_speculators_folder_and_logs_json_lines(train_dir):
 
 def test_two_processes_give_the_same_loss_curve_as_one_with_the_same_global_batch(train_dir):
     recipe = str(train_dir / "recipe.yaml")
-    one, _ = _run(TORCHRUN + ["--nproc-per-node=1", "-m", "draftflow.train", recipe, "--run-id", "p1",
-                              "--set", "training.batch_size=2", "--no-export"])
-    two, _ = _run(TORCHRUN + ["--nproc-per-node=2", "-m", "draftflow.train", recipe, "--run-id", "p2",
-                              "--set", "training.batch_size=1", "--no-export"])
+    one, _ = _run(
+        TORCHRUN
+        + [
+            "--nproc-per-node=1",
+            "-m",
+            "draftflow.train",
+            recipe,
+            "--run-id",
+            "p1",
+            "--set",
+            "training.batch_size=2",
+            "--no-export",
+        ]
+    )
+    two, _ = _run(
+        TORCHRUN
+        + [
+            "--nproc-per-node=2",
+            "-m",
+            "draftflow.train",
+            recipe,
+            "--run-id",
+            "p2",
+            "--set",
+            "training.batch_size=1",
+            "--no-export",
+        ]
+    )
     assert [m["step"] for m in one] == [m["step"] for m in two] and len(one) >= 3
     # Same data, anchors and updates; only the order of float additions differs (all-reduce).
     for a, b in zip(one, two):
@@ -82,8 +105,13 @@ def test_kill_9_mid_epoch_resumes_from_the_last_complete_checkpoint(train_dir):
     settings = ["--set", "training.checkpoint_every=2", "--set", "training.epochs=2"]
     _, reference = _run(TRAIN + [recipe, "--run-id", "whole"] + settings)
 
-    proc = subprocess.Popen(TRAIN + [recipe, "--run-id", "killed"] + settings, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=_env())
+    proc = subprocess.Popen(
+        TRAIN + [recipe, "--run-id", "killed"] + settings,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
     for line in proc.stdout:
         record = parse_line(line)
         if record and record["step"] >= 5:  # past the step-4 checkpoint, before the end of epoch 1
@@ -103,8 +131,13 @@ def test_kill_9_mid_epoch_resumes_from_the_last_complete_checkpoint(train_dir):
 
 def test_sigterm_writes_a_checkpoint_then_exits(train_dir):
     recipe = str(train_dir / "recipe.yaml")
-    proc = subprocess.Popen(TRAIN + [recipe, "--run-id", "term", "--set", "training.epochs=3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
+    proc = subprocess.Popen(
+        TRAIN + [recipe, "--run-id", "term", "--set", "training.epochs=3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
     for line in proc.stdout:
         record = parse_line(line)
         if record and record["step"] >= 2:
@@ -112,7 +145,9 @@ def test_sigterm_writes_a_checkpoint_then_exits(train_dir):
             break
     assert proc.wait(timeout=120) == EXIT_INTERRUPTED
     plan = Plan.load(recipe)
-    run = Path(plan.recipe.training.run_dir) / f"{plan.recipe.name}-{plan.fingerprint}" / "term" / "checkpoints"
+    run = (
+        Path(plan.recipe.training.run_dir) / f"{plan.recipe.name}-{plan.fingerprint}" / "term" / "checkpoints"
+    )
     done = [c for c in run.iterdir() if (c / CHECKPOINT_COMPLETE).exists()]
     assert done, "SIGTERM must leave a complete checkpoint"
 
@@ -128,7 +163,7 @@ def test_drafter_overfits_real_smollm2_hidden_states(train_dir, kind):
     torch.manual_seed(0)
     params = [p for p in setup.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=3e-3)
-    for step in range(300):  # the bounded number of steps
+    for step in range(300):  # noqa: B007 (named in the failure message)
         gen = torch.Generator().manual_seed(0)  # the same anchors every step: a fixed batch
         out = setup.loss_fn(setup.model, batch, gen)
         opt.zero_grad()
@@ -136,7 +171,9 @@ def test_drafter_overfits_real_smollm2_hidden_states(train_dir, kind):
         opt.step()
         if float(out.metrics.accuracy[0]) >= 0.95:
             break
-    assert float(out.metrics.accuracy[0]) >= 0.95, f"{kind}: position-1 accuracy {out.metrics.accuracy.tolist()} after {step + 1} steps"
+    assert float(out.metrics.accuracy[0]) >= 0.95, (
+        f"{kind}: position-1 accuracy {out.metrics.accuracy.tolist()} after {step + 1} steps"
+    )
 
 
 def test_recipe_switches_dflash_activation_checkpointing_on(train_dir):

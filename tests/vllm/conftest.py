@@ -44,8 +44,13 @@ def smollm2_extraction(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_pa
 
     vllm_servers.stop()
     work = tmp_path_factory.mktemp("smollm2-extraction")
-    launch = VLLMLaunchSection(python=vllm_python, device="cpu", max_model_len=SMOLLM2_MAX_MODEL_LEN,
-                               staging_dir=str(work / "staging"), startup_timeout_s=300)
+    launch = VLLMLaunchSection(
+        python=vllm_python,
+        device="cpu",
+        max_model_len=SMOLLM2_MAX_MODEL_LEN,
+        staging_dir=str(work / "staging"),
+        startup_timeout_s=300,
+    )
     handle = ensure_running(
         f"http://127.0.0.1:{free_port()}",
         model=str(smollm2_dir),
@@ -56,5 +61,7 @@ def smollm2_extraction(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_pa
         dtype="float32",
         log_dir=work / "logs",
     )
-    yield ExtractionServer(handle, SMOLLM2_LAYER_IDS, SMOLLM2_HIDDEN, SMOLLM2_MAX_MODEL_LEN, Path(launch.staging_dir), API_KEY)
+    yield ExtractionServer(
+        handle, SMOLLM2_LAYER_IDS, SMOLLM2_HIDDEN, SMOLLM2_MAX_MODEL_LEN, Path(launch.staging_dir), API_KEY
+    )
     handle.stop()

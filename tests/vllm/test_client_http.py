@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from draftflow.vllm.client import EndpointUnavailable, RequestFailed, VLLMClient
 from draftflow.recipe.schema import VLLMLaunchSection
+from draftflow.vllm.client import EndpointUnavailable, RequestFailed, VLLMClient
 from draftflow.vllm.launch import free_port
 from draftflow.vllm.server import EndpointDown, ensure_running
 
@@ -34,7 +34,11 @@ class ScriptedServer:
                 owner.requests.append((self.command, self.path, dict(self.headers)))
                 self.rfile.read(length)
                 status = owner.statuses.pop(0) if len(owner.statuses) > 1 else owner.statuses[0]
-                body = {"data": [{"id": "m", "root": "m"}]} if status == 200 else {"error": {"message": f"scripted {status}"}}
+                body = (
+                    {"data": [{"id": "m", "root": "m"}]}
+                    if status == 200
+                    else {"error": {"message": f"scripted {status}"}}
+                )
                 raw = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -119,6 +123,7 @@ def test_health_of_dead_endpoint_is_false():
     async def go():
         async with VLLMClient(f"http://127.0.0.1:{free_port()}") as client:
             return await client.health()
+
     assert run(go()) is False
 
 
@@ -134,13 +139,19 @@ def test_unroutable_endpoint_without_launch_settings_fails_fast():
     # 10.255.255.1 drops packets: the health probe's own timeout must bound the wait.
     start = time.monotonic()
     with pytest.raises(EndpointDown):
-        ensure_running("http://10.255.255.1:8000", model="m", layer_ids=[1], hidden_size=8, health_timeout_s=2)
+        ensure_running(
+            "http://10.255.255.1:8000", model="m", layer_ids=[1], hidden_size=8, health_timeout_s=2
+        )
     assert time.monotonic() - start < 5
 
 
 def test_launch_is_refused_for_a_remote_host():
     with pytest.raises(EndpointDown, match="only be launched on this host"):
         ensure_running(
-            "http://10.255.255.1:8000", model="m", layer_ids=[1], hidden_size=8, health_timeout_s=1,
+            "http://10.255.255.1:8000",
+            model="m",
+            layer_ids=[1],
+            hidden_size=8,
+            health_timeout_s=1,
             launch=VLLMLaunchSection(python="/bin/false", device="cpu"),
         )

@@ -30,8 +30,10 @@ def prompts(smollm2_dir: Path) -> list[list[int]]:
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     short = tok.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"},
-         {"role": "assistant", "content": "The capital of France is Paris."}],
+        [
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is Paris."},
+        ],
         tokenize=False,
     )
     # Long enough to span many KV-cache blocks: a wrong slot mapping would show here.
@@ -55,7 +57,10 @@ def reference_states(smollm2_dir: Path, prompts, smollm2_extraction):
     with torch.no_grad():
         for ids in prompts:
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-            layers = [hs[i][0] if i < len(model.model.layers) else captured["last"][0] for i in smollm2_extraction.layer_ids]
+            layers = [
+                hs[i][0] if i < len(model.model.layers) else captured["last"][0]
+                for i in smollm2_extraction.layer_ids
+            ]
             out.append(torch.stack(layers, dim=1))  # [tokens, layers, hidden], the file's layout
     hook.remove()
     return out
@@ -103,7 +108,11 @@ def test_extracted_states_equal_transformers(smollm2_extraction, prompts, refere
     for sample, (ids, ref) in zip(run(go()), cases):
         assert sample.token_ids.tolist() == ids
         assert sample.hidden_states.dtype == torch.float32
-        assert sample.hidden_states.shape == (len(ids), len(smollm2_extraction.layer_ids), smollm2_extraction.hidden_size)
+        assert sample.hidden_states.shape == (
+            len(ids),
+            len(smollm2_extraction.layer_ids),
+            smollm2_extraction.hidden_size,
+        )
         for j, layer in enumerate(smollm2_extraction.layer_ids):
             assert_fp32_close(sample.hidden_states[:, j], ref[:, j], f"layer id {layer}, {len(ids)} tokens")
 
@@ -115,8 +124,14 @@ def test_data_parallel_extraction_over_two_endpoints(smollm2_extraction, prompts
     items = [(f"s{i}", prompts[i % 2][: 20 + 7 * i]) for i in range(10)]
 
     async def go():
-        async with VLLMClient(endpoints, api_key=smollm2_extraction.api_key, concurrency=2, num_layers=len(smollm2_extraction.layer_ids), hidden_size=smollm2_extraction.hidden_size,
-                              staging_dirs=[str(smollm2_extraction.staging_dir)]) as c:
+        async with VLLMClient(
+            endpoints,
+            api_key=smollm2_extraction.api_key,
+            concurrency=2,
+            num_layers=len(smollm2_extraction.layer_ids),
+            hidden_size=smollm2_extraction.hidden_size,
+            staging_dirs=[str(smollm2_extraction.staging_dir)],
+        ) as c:
             return await c.extract_many(items)
 
     results = run(go())
@@ -153,10 +168,12 @@ def check(server, model, layer_ids=None, hidden_size=None, api_key="same", **kwa
     """ensure_running against the running server, as a pipeline that did not start it."""
     kwargs.setdefault("staging_dirs", [str(server.staging_dir)])
     return ensure_running(
-        server.url, model=str(model),
+        server.url,
+        model=str(model),
         layer_ids=server.layer_ids if layer_ids is None else layer_ids,
         hidden_size=hidden_size or server.hidden_size,
-        api_key=server.api_key if api_key == "same" else api_key, **kwargs,
+        api_key=server.api_key if api_key == "same" else api_key,
+        **kwargs,
     )
 
 
@@ -174,7 +191,10 @@ def test_wrong_model_names_both(smollm2_extraction, smollm2_dir, tiny_llama_dir)
 
 
 def test_wrong_layer_count_is_rejected(smollm2_extraction, smollm2_dir):
-    with pytest.raises(WrongLayers, match=r"extracts 5 layers per token, but the recipe expects 3 \(layer ids \[2, 15, 30\]\)"):
+    with pytest.raises(
+        WrongLayers,
+        match=r"extracts 5 layers per token, but the recipe expects 3 \(layer ids \[2, 15, 30\]\)",
+    ):
         check(smollm2_extraction, smollm2_dir, layer_ids=[2, 15, 30])
 
 

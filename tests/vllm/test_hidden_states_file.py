@@ -137,7 +137,9 @@ def test_writer_that_never_finishes_times_out(tmp_path):
 
 def test_validate_accepts_bf16():
     hs = torch.randn(4, 2, 8).to(torch.bfloat16)
-    tokens, hidden = validate_hidden_states({"hidden_states": hs, "token_ids": torch.tensor(PROMPT)}, PROMPT, 2, 8)
+    tokens, hidden = validate_hidden_states(
+        {"hidden_states": hs, "token_ids": torch.tensor(PROMPT)}, PROMPT, 2, 8
+    )
     assert hidden.dtype == torch.bfloat16 and tokens.tolist() == PROMPT
 
 
@@ -150,7 +152,10 @@ def test_response_without_path_means_extraction_not_enabled():
 def test_response_echoing_other_tokens_is_invalid(tmp_path):
     path = tmp_path / "echo.safetensors"
     write_sample(path)
-    body = {"choices": [{"prompt_token_ids": [1, 2]}], "kv_transfer_params": {"hidden_states_path": str(path)}}
+    body = {
+        "choices": [{"prompt_token_ids": [1, 2]}],
+        "kv_transfer_params": {"hidden_states_path": str(path)},
+    }
     with pytest.raises(InvalidHiddenStates, match="differ from the 4 sent"):
         hidden_states_path(body, "http://h:1", PROMPT, [str(tmp_path)])
     assert_gone(path)

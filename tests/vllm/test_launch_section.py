@@ -20,7 +20,9 @@ def test_a_spec_takes_device_and_length_from_the_section_and_has_no_defaults_of_
 
 
 def test_the_evaluator_factory_is_built_from_the_typed_section():
-    cpu = VLLMLaunchSection(device="cpu", max_model_len=2048, extra_args=["--enforce-eager"], startup_timeout_s=5)
+    cpu = VLLMLaunchSection(
+        device="cpu", max_model_len=2048, extra_args=["--enforce-eager"], startup_timeout_s=5
+    )
     factory = LaunchServerFactory(cpu)
     assert factory.launch is cpu and factory.dtype == "float32"  # the simulator it is compared with is fp32
     assert LaunchServerFactory(VLLMLaunchSection()).dtype == "auto"

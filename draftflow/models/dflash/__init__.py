@@ -6,6 +6,14 @@ from draftflow.models.dflash.config import DFlashConfig, resolve_mask_token_id
 from draftflow.models.dflash.model import DFlashDrafter, dflash_loss, sample_anchors
 
 __all__ = [
-    "DFlash", "DFlashConfig", "DFlashDrafter", "attention", "checkpoint", "config", "dflash_loss", "model",
-    "resolve_mask_token_id", "sample_anchors",
+    "DFlash",
+    "DFlashConfig",
+    "DFlashDrafter",
+    "attention",
+    "checkpoint",
+    "config",
+    "dflash_loss",
+    "model",
+    "resolve_mask_token_id",
+    "sample_anchors",
 ]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from draftflow.models import speculators
-from draftflow.models.algorithm import DraftState, DrafterAlgorithm, TrainSettings
+from draftflow.models.algorithm import DrafterAlgorithm, DraftState, TrainSettings
 from draftflow.models.common import PackedBatch
 from draftflow.models.dflash import checkpoint
 from draftflow.models.dflash.config import resolve_mask_token_id
@@ -32,21 +32,37 @@ class DFlash(DrafterAlgorithm):
     aux_layer_ids_key = checkpoint.AUX_LAYER_IDS_KEY
     architecture = checkpoint.ARCHITECTURE
 
-    def __init__(self, model: DFlashDrafter, *, speculative_tokens: int | None = None,
-                 settings: TrainSettings | None = None):
+    def __init__(
+        self,
+        model: DFlashDrafter,
+        *,
+        speculative_tokens: int | None = None,
+        settings: TrainSettings | None = None,
+    ):
         block = model.config.block_size
         if speculative_tokens is not None and speculative_tokens != block - 1:
-            raise ValueError(f"a DFlash block drafts block_size - 1 = {block - 1} tokens, "
-                             f"not {speculative_tokens}")
+            raise ValueError(
+                f"a DFlash block drafts block_size - 1 = {block - 1} tokens, not {speculative_tokens}"
+            )
         super().__init__(model, speculative_tokens=block - 1, settings=settings)
 
     @classmethod
-    def build(cls, recipe, target_model: str, *, num_context_layers: int, vocab: DraftVocab | None,
-              target_head: nn.Module | None = None) -> DFlash:
+    def build(
+        cls,
+        recipe,
+        target_model: str,
+        *,
+        num_context_layers: int,
+        vocab: DraftVocab | None,
+        target_head: nn.Module | None = None,
+    ) -> DFlash:
         spec = recipe.drafter
         model = DFlashDrafter.from_target(
-            target_model, num_layers=spec.num_layers, block_size=spec.block_size,
-            mask_token_id=recipe_mask_token(recipe, target_model), num_context_layers=num_context_layers,
+            target_model,
+            num_layers=spec.num_layers,
+            block_size=spec.block_size,
+            mask_token_id=recipe_mask_token(recipe, target_model),
+            num_context_layers=num_context_layers,
             vocab=vocab,
         )
         model.checkpoint_layers = spec.activation_checkpointing
@@ -58,8 +74,15 @@ class DFlash(DrafterAlgorithm):
 
     def loss(self, batch: PackedBatch, generator: torch.Generator | None = None) -> LossOutput:
         s = self._settings()
-        return dflash_loss(self.model, batch, max_anchors=s.drafter.max_anchors, gamma=s.drafter.decay_gamma,
-                           loss=s.loss, target_head=s.target_head, generator=generator)
+        return dflash_loss(
+            self.model,
+            batch,
+            max_anchors=s.drafter.max_anchors,
+            gamma=s.drafter.decay_gamma,
+            loss=s.loss,
+            target_head=s.target_head,
+            generator=generator,
+        )
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> list[int]:
@@ -83,23 +106,29 @@ class DFlash(DrafterAlgorithm):
         block = config.get("block_size")
         spec = speculators.speculative_tokens(config)
         if block is not None and spec is not None and int(block) - 1 != spec:
-            out.append(f"config.json block_size {block} drafts {int(block) - 1} tokens but "
-                       f"speculative_tokens is {spec}")
+            out.append(
+                f"config.json block_size {block} drafts {int(block) - 1} tokens but "
+                f"speculative_tokens is {spec}"
+            )
         return out
 
     @classmethod
     def provenance_problems(cls, config: dict, provenance: dict) -> list[str]:
         if config.get("mask_token_id") == provenance.get("mask_token_id"):
             return []
-        return [f"config.json mask_token_id {config.get('mask_token_id')} != trained "
-                f"{provenance.get('mask_token_id')} (the block's mask slots would be fed another token "
-                "than in training)"]
+        return [
+            f"config.json mask_token_id {config.get('mask_token_id')} != trained "
+            f"{provenance.get('mask_token_id')} (the block's mask slots would be fed another token "
+            "than in training)"
+        ]
 
     @classmethod
     def known_serving_issue(cls, config: dict, device: str) -> str | None:
         layers = int((config.get("transformer_layer_config") or {}).get("num_hidden_layers", 1))
         if device == "cpu" and layers > 1:
-            return (f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash "
-                    "(its rms_norm kernel applies layer 0's k_norm weights to every layer); output stays "
-                    "lossless, acceptance drops")
+            return (
+                f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash "
+                "(its rms_norm kernel applies layer 0's k_norm weights to every layer); output stays "
+                "lossless, acceptance drops"
+            )
         return None

@@ -26,7 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftflow.models.common import (
-    AttentionImpl, dense_attention_lse, flex_attention_fn, merge_attention, range_attention_dense,
+    AttentionImpl,
+    dense_attention_lse,
+    flex_attention_fn,
+    merge_attention,
+    range_attention_dense,
 )
 
 
@@ -39,13 +43,24 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tens
     nkv = k.shape[-2]
     visible = torch.ones(1, b, b, dtype=torch.bool, device=q.device)
     out, lse = dense_attention_lse(
-        q.reshape(bt * a, b, nh, hd), k.reshape(bt * a, b, nkv, hd), v.reshape(bt * a, b, nkv, hd), visible, scale
+        q.reshape(bt * a, b, nh, hd),
+        k.reshape(bt * a, b, nkv, hd),
+        v.reshape(bt * a, b, nkv, hd),
+        visible,
+        scale,
     )
     return out.view(bt, a, b, nh, hd), lse.view(bt, a, b, nh)
 
 
 def dflash_attention(
-    q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, lo: Tensor, hi: Tensor, scale: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ctx_k: Tensor,
+    ctx_v: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
     impl: AttentionImpl = "dense",
 ) -> Tensor:
     """q: [Bt, A, B, nh, hd]; k, v: [Bt, A, B, nkv, hd] (the blocks' own keys);
@@ -57,13 +72,25 @@ def dflash_attention(
 
 
 def dflash_attention_merged(
-    q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, lo: Tensor, hi: Tensor, scale: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ctx_k: Tensor,
+    ctx_v: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
 ) -> Tensor:
     """Reference formulation: block→context and in-block attention merged by log-sum-exp."""
     bt, a, b, nh, hd = q.shape
     # (a) block -> context: A·B queries, each block's slots share its range [lo, hi)
     out_c, lse_c = range_attention_dense(
-        q.reshape(bt, a * b, nh, hd), ctx_k, ctx_v, lo.repeat_interleave(b, 1), hi.repeat_interleave(b, 1), scale
+        q.reshape(bt, a * b, nh, hd),
+        ctx_k,
+        ctx_v,
+        lo.repeat_interleave(b, 1),
+        hi.repeat_interleave(b, 1),
+        scale,
     )
     # (b) in-block
     out_b, lse_b = block_attention(q, k, v, scale)
@@ -71,8 +98,16 @@ def dflash_attention_merged(
 
 
 def dflash_attention_chunked(
-    q: Tensor, k: Tensor, v: Tensor, ctx_k: Tensor, ctx_v: Tensor, lo: Tensor, hi: Tensor, scale: float,
-    max_chunk_elems: int = 1 << 24, max_chunk_queries: int = 128,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ctx_k: Tensor,
+    ctx_v: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    max_chunk_elems: int = 1 << 24,
+    max_chunk_queries: int = 128,
 ) -> Tensor:
     """The CPU path: fused SDPA per chunk of anchors over [context window ; the chunk's blocks].
 
@@ -104,11 +139,16 @@ def dflash_attention_chunked(
         idx = torch.arange(k1 - k0, device=q.device)
         ctx_visible = (idx >= (lo_c - k0)[..., None]) & (idx < (hi_c - k0)[..., None])  # [Bt, n, W]
         block = torch.arange(n * b, device=q.device) // b
-        mask = torch.cat([ctx_visible.repeat_interleave(b, 1),
-                          (block[:, None] == block[None, :]).expand(bt, -1, -1)], -1)  # [Bt, n·B, W + n·B]
+        mask = torch.cat(
+            [ctx_visible.repeat_interleave(b, 1), (block[:, None] == block[None, :]).expand(bt, -1, -1)], -1
+        )  # [Bt, n·B, W + n·B]
         out = F.scaled_dot_product_attention(
-            q[:, s:e].reshape(bt, n * b, nh, hd).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask[:, None], scale=scale, enable_gqa=nh != nkv,
+            q[:, s:e].reshape(bt, n * b, nh, hd).transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=scale,
+            enable_gqa=nh != nkv,
         )
         outs.append(out.transpose(1, 2).reshape(bt, n, b, nh, hd))
     return torch.cat(outs, 1)
@@ -136,7 +176,14 @@ def dflash_attention_flex(
     qf = q.reshape(bt, a * b, nh, hd).transpose(1, 2)  # [Bt, nh, A·B, hd]
     kf = torch.cat([ctx_k, k.reshape(bt, a * b, nkv, hd)], 1).transpose(1, 2)  # [Bt, nkv, T+A·B, hd]
     vf = torch.cat([ctx_v, v.reshape(bt, a * b, nkv, hd)], 1).transpose(1, 2)
-    mask = create_block_mask(dflash_mask_mod(lo, hi, b, t), bt, None, a * b, t + a * b, device=q.device,
-                             _compile=q.device.type != "cpu")
+    mask = create_block_mask(
+        dflash_mask_mod(lo, hi, b, t),
+        bt,
+        None,
+        a * b,
+        t + a * b,
+        device=q.device,
+        _compile=q.device.type != "cpu",
+    )
     out = flex_attention_fn(q.device)(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=nh != nkv)
     return out.transpose(1, 2).reshape(bt, a, b, nh, hd)

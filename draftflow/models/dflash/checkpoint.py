@@ -25,8 +25,9 @@ AUX_LAYER_IDS_KEY = "aux_hidden_state_layer_ids"
 def config_fields(cfg: DFlashConfig, aux_layer_ids: list[int]) -> tuple[dict, dict]:
     """(top-level config.json fields, transformer_layer_config) of a DFlash drafter."""
     ids = speculators.check_aux_layer_ids(aux_layer_ids, cfg.num_context_layers)
-    layer_cfg = speculators.shared_layer_config(cfg, model_type="qwen3", num_layers=cfg.num_layers,
-                                                use_sliding_window=False)
+    layer_cfg = speculators.shared_layer_config(
+        cfg, model_type="qwen3", num_layers=cfg.num_layers, use_sliding_window=False
+    )
     fields = {
         "block_size": cfg.block_size,
         "draft_vocab_size": cfg.draft_vocab_size,

@@ -74,7 +74,9 @@ class DFlashConfig:
         )
 
 
-def resolve_mask_token_id(tokenizer=None, *, override: int | None = None, reserved_id: int | None = None) -> int:
+def resolve_mask_token_id(
+    tokenizer=None, *, override: int | None = None, reserved_id: int | None = None
+) -> int:
     """The token whose (frozen, target) embedding fills the B-1 mask slots of a block.
 
     Order: an explicit ``override`` (recipe ``drafter.mask_token_id``), the tokenizer's mask

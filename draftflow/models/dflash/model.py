@@ -28,13 +28,24 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from draftflow.models.common import (
-    PackedBatch, RMSNorm, RotaryEmbedding, SwiGLU, attention_scale, frozen_linear,
+    PackedBatch,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    attention_scale,
+    frozen_linear,
 )
 from draftflow.models.dflash.attention import dflash_attention
 from draftflow.models.dflash.config import DFlashConfig
 from draftflow.models.losses import (
-    LossKind, LossOutput, dflash_position_weights, draft_metrics, soft_cross_entropy_gathered,
-    target_probs, token_cross_entropy, weighted_mean,
+    LossKind,
+    LossOutput,
+    dflash_position_weights,
+    draft_metrics,
+    soft_cross_entropy_gathered,
+    target_probs,
+    token_cross_entropy,
+    weighted_mean,
 )
 from draftflow.models.vocab import DraftVocab
 
@@ -55,8 +66,17 @@ class DFlashAttention(nn.Module):
         k = rope(self.k_norm(self.k_proj(x).unflatten(-1, (self.nkv, self.hd))), pos)
         return k, self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
 
-    def forward(self, x: Tensor, pos: Tensor, ctx: Tensor, ctx_pos: Tensor, lo: Tensor, hi: Tensor,
-                rope: RotaryEmbedding, impl: str) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        pos: Tensor,
+        ctx: Tensor,
+        ctx_pos: Tensor,
+        lo: Tensor,
+        hi: Tensor,
+        rope: RotaryEmbedding,
+        impl: str,
+    ) -> Tensor:
         # x [Bt, A, B, H]; ctx [Bt, T, H]
         q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), pos)  # [Bt, A, B, nh, hd]
         k, v = self.project_kv(x, pos, rope)  # [Bt, A, B, nkv, hd]
@@ -108,14 +128,26 @@ class DFlashDrafter(nn.Module):
         return DraftVocab(self.d2t, self.t2d)
 
     @classmethod
-    def from_target(cls, target: str | Path, *, num_layers: int, block_size: int, mask_token_id: int,
-                    num_context_layers: int, vocab: DraftVocab | None = None) -> DFlashDrafter:
+    def from_target(
+        cls,
+        target: str | Path,
+        *,
+        num_layers: int,
+        block_size: int,
+        mask_token_id: int,
+        num_context_layers: int,
+        vocab: DraftVocab | None = None,
+    ) -> DFlashDrafter:
         """A fresh drafter whose embedding and head are read from the target's safetensors."""
         from draftflow.models.target_weights import load_embeddings, load_lm_head, read_config
 
         cfg = DFlashConfig.from_target(
-            read_config(target), num_layers=num_layers, block_size=block_size, mask_token_id=mask_token_id,
-            num_context_layers=num_context_layers, draft_vocab_size=vocab.draft_vocab_size if vocab else None,
+            read_config(target),
+            num_layers=num_layers,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            num_context_layers=num_context_layers,
+            draft_vocab_size=vocab.draft_vocab_size if vocab else None,
         )
         model = cls(cfg, vocab)
         with torch.no_grad():
@@ -130,8 +162,15 @@ class DFlashDrafter(nn.Module):
         """[Bt, T, n, H] target states → [Bt, T, H] fused context."""
         return self.hidden_norm(self.fc(hidden_states.flatten(-2).to(self.fc.weight.dtype)))
 
-    def forward(self, block_ids: Tensor, block_pos: Tensor, context: Tensor, context_pos: Tensor,
-                lo: Tensor, hi: Tensor) -> Tensor:
+    def forward(
+        self,
+        block_ids: Tensor,
+        block_pos: Tensor,
+        context: Tensor,
+        context_pos: Tensor,
+        lo: Tensor,
+        hi: Tensor,
+    ) -> Tensor:
         """block_ids/block_pos [Bt, A, B]; context [Bt, T, H] (fused); context_pos [Bt, T];
         lo/hi [Bt, A] context range of each block. Returns normed hidden [Bt, A, B, H]."""
         x = self.embed_tokens(block_ids)
@@ -145,12 +184,15 @@ class DFlashDrafter(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)  # [..., draft_vocab]
 
-    def make_blocks(self, input_ids: Tensor, position_ids: Tensor, doc_start: Tensor, anchors: Tensor,
-                    valid: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def make_blocks(
+        self, input_ids: Tensor, position_ids: Tensor, doc_start: Tensor, anchors: Tensor, valid: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Blocks at ``anchors`` [Bt, A] → block_ids, block_pos [Bt, A, B], lo, hi [Bt, A]."""
         b = self.config.block_size
         j = torch.arange(b, device=anchors.device)
-        block_ids = torch.full((*anchors.shape, b), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        block_ids = torch.full(
+            (*anchors.shape, b), self.config.mask_token_id, dtype=torch.long, device=anchors.device
+        )
         block_ids[..., 0] = input_ids.gather(1, anchors)
         block_pos = position_ids.gather(1, anchors)[..., None] + j
         lo = doc_start.gather(1, anchors) * valid
@@ -158,8 +200,13 @@ class DFlashDrafter(nn.Module):
         return block_ids, block_pos, lo, hi
 
     @torch.no_grad()
-    def propose(self, hidden_states: Tensor, anchor_tokens: Tensor, position_ids: Tensor | None = None,
-                return_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def propose(
+        self,
+        hidden_states: Tensor,
+        anchor_tokens: Tensor,
+        position_ids: Tensor | None = None,
+        return_logits: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Draft as vLLM does: context = every given state, anchor at ``last position + 1``.
 
         hidden_states [Bt, T, n, H] (tokens the target processed); anchor_tokens [Bt] (the
@@ -181,8 +228,14 @@ class DFlashDrafter(nn.Module):
         return (drafts, logits) if return_logits else drafts
 
 
-def sample_anchors(loss_mask: Tensor, doc_start: Tensor, doc_end: Tensor, block_size: int, max_anchors: int,
-                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+def sample_anchors(
+    loss_mask: Tensor,
+    doc_start: Tensor,
+    doc_end: Tensor,
+    block_size: int,
+    max_anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
     """Up to ``max_anchors`` anchors per row, uniformly without replacement, sorted.
 
     An index ``a`` can anchor a block when the anchor token counts for the loss (it is a
@@ -204,8 +257,9 @@ def sample_anchors(loss_mask: Tensor, doc_start: Tensor, doc_end: Tensor, block_
     return torch.where(valid, key, torch.zeros_like(key)), valid
 
 
-def block_targets(input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, anchors: Tensor, valid: Tensor,
-                  block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def block_targets(
+    input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, anchors: Tensor, valid: Tensor, block_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """What slots 1..B-1 of each block must predict: the data token at anchor + j.
 
     Returns index [Bt, A, B-1] (clamped into the row), labels [Bt, A, B-1] (target ids) and
@@ -221,9 +275,17 @@ def block_targets(input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, anchors
     return tgt, labels, labelled
 
 
-def dflash_loss(model: DFlashDrafter, batch: PackedBatch, *, max_anchors: int, gamma: float,
-                loss: LossKind = "tokens", target_head: nn.Module | None = None,
-                generator: torch.Generator | None = None, anchors: tuple[Tensor, Tensor] | None = None) -> LossOutput:
+def dflash_loss(
+    model: DFlashDrafter,
+    batch: PackedBatch,
+    *,
+    max_anchors: int,
+    gamma: float,
+    loss: LossKind = "tokens",
+    target_head: nn.Module | None = None,
+    generator: torch.Generator | None = None,
+    anchors: tuple[Tensor, Tensor] | None = None,
+) -> LossOutput:
     """Sample anchors, run every block in one pass, return the decayed CE and per-slot metrics.
 
     gamma: the recipe's ``DFlashSection.decay_gamma``; the loss is the mean over labelled
@@ -262,6 +324,7 @@ def dflash_loss(model: DFlashDrafter, batch: PackedBatch, *, max_anchors: int, g
     k = b - 1
     pred = torch.full_like(labels, -1)
     pred[labelled] = logits.argmax(-1)  # unlabelled slots never count as hits
-    metrics = draft_metrics(pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k),
-                            valid.reshape(-1))
+    metrics = draft_metrics(
+        pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k), valid.reshape(-1)
+    )
     return LossOutput(weighted_mean(per_item, weights), metrics)

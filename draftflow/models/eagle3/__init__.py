@@ -6,5 +6,12 @@ from draftflow.models.eagle3.config import Eagle3Config
 from draftflow.models.eagle3.model import Eagle3Drafter, eagle3_loss
 
 __all__ = [
-    "Eagle3", "Eagle3Config", "Eagle3Drafter", "attention", "checkpoint", "config", "eagle3_loss", "model",
+    "Eagle3",
+    "Eagle3Config",
+    "Eagle3Drafter",
+    "attention",
+    "checkpoint",
+    "config",
+    "eagle3_loss",
+    "model",
 ]

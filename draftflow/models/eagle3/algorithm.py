@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftflow.models.algorithm import DraftState, DrafterAlgorithm, TrainSettings
+from draftflow.models.algorithm import DrafterAlgorithm, DraftState, TrainSettings
 from draftflow.models.common import PackedBatch
 from draftflow.models.eagle3 import checkpoint
 from draftflow.models.eagle3.model import Eagle3Drafter, eagle3_loss
@@ -20,12 +20,22 @@ class Eagle3(DrafterAlgorithm):
     architecture = checkpoint.ARCHITECTURE
 
     @classmethod
-    def build(cls, recipe, target_model: str, *, num_context_layers: int, vocab: DraftVocab | None,
-              target_head: nn.Module | None = None) -> Eagle3:
+    def build(
+        cls,
+        recipe,
+        target_model: str,
+        *,
+        num_context_layers: int,
+        vocab: DraftVocab | None,
+        target_head: nn.Module | None = None,
+    ) -> Eagle3:
         spec = recipe.drafter
         model = Eagle3Drafter.from_target(target_model, num_aux_layers=num_context_layers, vocab=vocab)
-        return cls(model, speculative_tokens=spec.speculative_tokens,
-                   settings=TrainSettings(spec, recipe.training.loss, target_head))
+        return cls(
+            model,
+            speculative_tokens=spec.speculative_tokens,
+            settings=TrainSettings(spec, recipe.training.loss, target_head),
+        )
 
     @classmethod
     def model_from_config(cls, config: dict, vocab: DraftVocab) -> Eagle3Drafter:
@@ -33,8 +43,14 @@ class Eagle3(DrafterAlgorithm):
 
     def loss(self, batch: PackedBatch, generator: torch.Generator | None = None) -> LossOutput:
         s = self._settings()
-        return eagle3_loss(self.model, batch, steps=s.drafter.ttt_steps, decay=s.drafter.ttt_decay,
-                           loss=s.loss, target_head=s.target_head)
+        return eagle3_loss(
+            self.model,
+            batch,
+            steps=s.drafter.ttt_steps,
+            decay=s.drafter.ttt_decay,
+            loss=s.loss,
+            target_head=s.target_head,
+        )
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> list[int]:
@@ -51,5 +67,7 @@ class Eagle3(DrafterAlgorithm):
         declared = (config.get("transformer_layer_config") or {}).get("num_aux_hidden_states")
         if declared in (None, len(aux_layer_ids)):
             return []
-        return [f"transformer_layer_config.num_aux_hidden_states {declared} != {len(aux_layer_ids)} aux "
-                "layer ids (vLLM sizes fc from it)"]
+        return [
+            f"transformer_layer_config.num_aux_hidden_states {declared} != {len(aux_layer_ids)} aux "
+            "layer ids (vLLM sizes fc from it)"
+        ]

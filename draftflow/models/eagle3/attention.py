@@ -24,7 +24,9 @@ from torch import Tensor
 from draftflow.models.common import AttentionImpl, dense_attention_lse, merge_attention, range_attention
 
 
-def diagonal_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float) -> tuple[Tensor, Tensor]:
+def diagonal_attention(
+    q: Tensor, keys: list[Tensor], values: list[Tensor], scale: float
+) -> tuple[Tensor, Tensor]:
     """q [Bt, T, nh, hd] attends, per index, to that index's k previous-step keys.
 
     keys/values: k tensors [Bt, T, nkv, hd] → out [Bt, T, nh, hd], lse [Bt, T, nh].
@@ -35,13 +37,26 @@ def diagonal_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], scal
     n, nkv = k.shape[2], k.shape[3]
     visible = torch.ones(1, 1, n, dtype=torch.bool, device=q.device)
     out, lse = dense_attention_lse(
-        q.reshape(bt * t, 1, nh, hd), k.reshape(bt * t, n, nkv, hd), v.reshape(bt * t, n, nkv, hd), visible, scale
+        q.reshape(bt * t, 1, nh, hd),
+        k.reshape(bt * t, n, nkv, hd),
+        v.reshape(bt * t, n, nkv, hd),
+        visible,
+        scale,
     )
     return out.view(bt, t, nh, hd), lse.view(bt, t, nh)
 
 
-def ttt_attention(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_v: list[Tensor],
-                  lo: Tensor, hi: Tensor, scale: float, impl: AttentionImpl = "dense") -> Tensor:
+def ttt_attention(
+    q: Tensor,
+    k0: Tensor,
+    v0: Tensor,
+    prev_k: list[Tensor],
+    prev_v: list[Tensor],
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    impl: AttentionImpl = "dense",
+) -> Tensor:
     """One TTT step. q [Bt, T, nh, hd]; k0/v0 [Bt, T, nkv, hd] step-0 keys; prev_k/prev_v keys
     of steps 1..k (empty at step 0, the current step's own key included otherwise);
     lo/hi [Bt, T] the causal document range (doc_start, i + 1). Returns [Bt, T, nh, hd]."""
@@ -50,8 +65,17 @@ def ttt_attention(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_
     return ttt_attention_merged(q, k0, v0, prev_k, prev_v, lo, hi, scale, impl)
 
 
-def ttt_attention_chunked(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_v: list[Tensor],
-                          lo: Tensor, hi: Tensor, scale: float, max_chunk_queries: int = 128) -> Tensor:
+def ttt_attention_chunked(
+    q: Tensor,
+    k0: Tensor,
+    v0: Tensor,
+    prev_k: list[Tensor],
+    prev_v: list[Tensor],
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    max_chunk_queries: int = 128,
+) -> Tensor:
     """The CPU path: fused SDPA per chunk of queries over [causal window ; the chunk's own
     previous-step keys]. A chunk of n queries scores its window of step-0 keys (from the
     smallest document start to its last index) plus n·k diagonal keys, mask [n, W + n·k]:
@@ -77,15 +101,28 @@ def ttt_attention_chunked(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor
             keys = torch.cat([keys, kd[:, s:e].reshape(bt, n * steps, nkv, hd)], 1)
             values = torch.cat([values, vd[:, s:e].reshape(bt, n * steps, nkv, hd)], 1)
         out = F.scaled_dot_product_attention(
-            q[:, s:e].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
-            scale=scale, enable_gqa=nh != nkv,
+            q[:, s:e].transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=scale,
+            enable_gqa=nh != nkv,
         )
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, 1)
 
 
-def ttt_attention_merged(q: Tensor, k0: Tensor, v0: Tensor, prev_k: list[Tensor], prev_v: list[Tensor],
-                         lo: Tensor, hi: Tensor, scale: float, impl: AttentionImpl = "dense") -> Tensor:
+def ttt_attention_merged(
+    q: Tensor,
+    k0: Tensor,
+    v0: Tensor,
+    prev_k: list[Tensor],
+    prev_v: list[Tensor],
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    impl: AttentionImpl = "dense",
+) -> Tensor:
     """Range attention over step-0 keys and the per-index previous-step keys, merged by
     log-sum-exp (the flex path, and the reference the chunked SDPA path is tested against)."""
     out, lse = range_attention(q, k0, v0, lo, hi, scale, impl)

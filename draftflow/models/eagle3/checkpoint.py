@@ -28,8 +28,9 @@ AUX_LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 def config_fields(cfg: Eagle3Config, aux_layer_ids: list[int]) -> tuple[dict, dict]:
     """(top-level config.json fields, transformer_layer_config) of an Eagle3 drafter."""
     ids = speculators.check_aux_layer_ids(aux_layer_ids, cfg.num_aux_layers)
-    layer_cfg = speculators.shared_layer_config(cfg, model_type="llama", num_layers=1,
-                                                num_aux_hidden_states=cfg.num_aux_layers)
+    layer_cfg = speculators.shared_layer_config(
+        cfg, model_type="llama", num_layers=1, num_aux_hidden_states=cfg.num_aux_layers
+    )
     fields = {
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,

@@ -33,8 +33,15 @@ class Eagle3Config:
         return asdict(self)
 
     @classmethod
-    def from_target(cls, target_config: dict, *, num_aux_layers: int, draft_vocab_size: int | None = None,
-                    norm_before_residual: bool = True, freeze_lm_head: bool = False) -> Eagle3Config:
+    def from_target(
+        cls,
+        target_config: dict,
+        *,
+        num_aux_layers: int,
+        draft_vocab_size: int | None = None,
+        norm_before_residual: bool = True,
+        freeze_lm_head: bool = False,
+    ) -> Eagle3Config:
         hidden = int(target_config["hidden_size"])
         heads = int(target_config["num_attention_heads"])
         vocab = int(target_config["vocab_size"])

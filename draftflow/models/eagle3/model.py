@@ -31,8 +31,14 @@ from draftflow.models.common import PackedBatch, RMSNorm, RotaryEmbedding, SwiGL
 from draftflow.models.eagle3.attention import ttt_attention
 from draftflow.models.eagle3.config import Eagle3Config
 from draftflow.models.losses import (
-    LossKind, LossOutput, draft_metrics, soft_cross_entropy_gathered, target_probs, token_cross_entropy,
-    ttt_weight, weighted_mean,
+    LossKind,
+    LossOutput,
+    draft_metrics,
+    soft_cross_entropy_gathered,
+    target_probs,
+    token_cross_entropy,
+    ttt_weight,
+    weighted_mean,
 )
 from draftflow.models.vocab import DraftVocab
 
@@ -46,8 +52,9 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor, rope: RotaryEmbedding,
-                impl: str) -> Tensor:
+    def forward(
+        self, x: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor, rope: RotaryEmbedding, impl: str
+    ) -> Tensor:
         # x [Bt, T, 2H]; cache holds step-0 keys "k0"/"v0" and later steps' "k"/"v" lists
         q = rope(self.q_proj(x).unflatten(-1, (self.nh, self.hd)), pos)  # [Bt, T, nh, hd]
         k = rope(self.k_proj(x).unflatten(-1, (self.nkv, self.hd)), pos)  # [Bt, T, nkv, hd]
@@ -57,7 +64,9 @@ class Eagle3Attention(nn.Module):
         else:
             cache["k"].append(k)
             cache["v"].append(v)
-        out = ttt_attention(q, cache["k0"], cache["v0"], cache["k"], cache["v"], lo, hi, attention_scale(self.hd), impl)
+        out = ttt_attention(
+            q, cache["k0"], cache["v0"], cache["k"], cache["v"], lo, hi, attention_scale(self.hd), impl
+        )
         return self.o_proj(out.flatten(-2))
 
 
@@ -106,15 +115,24 @@ class Eagle3Drafter(nn.Module):
         return DraftVocab(self.d2t, self.t2d)
 
     @classmethod
-    def from_target(cls, target: str | Path, *, num_aux_layers: int, vocab: DraftVocab | None = None,
-                    norm_before_residual: bool = True, freeze_lm_head: bool = False) -> Eagle3Drafter:
+    def from_target(
+        cls,
+        target: str | Path,
+        *,
+        num_aux_layers: int,
+        vocab: DraftVocab | None = None,
+        norm_before_residual: bool = True,
+        freeze_lm_head: bool = False,
+    ) -> Eagle3Drafter:
         """A fresh drafter; embedding and the initial lm_head come from the target's safetensors."""
         from draftflow.models.target_weights import load_embeddings, load_lm_head, read_config
 
         cfg = Eagle3Config.from_target(
-            read_config(target), num_aux_layers=num_aux_layers,
+            read_config(target),
+            num_aux_layers=num_aux_layers,
             draft_vocab_size=vocab.draft_vocab_size if vocab else None,
-            norm_before_residual=norm_before_residual, freeze_lm_head=freeze_lm_head,
+            norm_before_residual=norm_before_residual,
+            freeze_lm_head=freeze_lm_head,
         )
         model = cls(cfg, vocab)
         with torch.no_grad():
@@ -129,16 +147,20 @@ class Eagle3Drafter(nn.Module):
         """[Bt, T, n, H] → [Bt, T, H]."""
         return self.fc(aux_hidden.flatten(-2).to(self.fc.weight.dtype))
 
-    def step(self, tokens: Tensor, hidden: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor) -> Tensor:
+    def step(
+        self, tokens: Tensor, hidden: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor
+    ) -> Tensor:
         """One drafter pass: tokens [Bt, T], hidden [Bt, T, H] → pre-norm output [Bt, T, H]."""
-        return self.layers[0](self.embed_tokens(tokens), hidden, pos, cache, lo, hi, self.rotary,
-                              self._impl(hidden.device))
+        return self.layers[0](
+            self.embed_tokens(tokens), hidden, pos, cache, lo, hi, self.rotary, self._impl(hidden.device)
+        )
 
     def compute_logits(self, hidden_prenorm: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden_prenorm))  # [..., draft_vocab]
 
-    def forward_ttt(self, input_ids: Tensor, aux_hidden: Tensor, position_ids: Tensor, doc_start: Tensor,
-                    steps: int) -> list[Tensor]:
+    def forward_ttt(
+        self, input_ids: Tensor, aux_hidden: Tensor, position_ids: Tensor, doc_start: Tensor, steps: int
+    ) -> list[Tensor]:
         """Unrolled training-time test; returns the pre-norm output [Bt, T, H] of every step.
 
         Step k at index i reads token i+1+k (teacher forcing: the token vLLM feeds when every
@@ -153,8 +175,15 @@ class Eagle3Drafter(nn.Module):
         return outs
 
     @torch.no_grad()
-    def propose(self, aux_hidden: Tensor, input_ids: Tensor, next_tokens: Tensor, num_tokens: int,
-                position_ids: Tensor | None = None, return_logits: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def propose(
+        self,
+        aux_hidden: Tensor,
+        input_ids: Tensor,
+        next_tokens: Tensor,
+        num_tokens: int,
+        position_ids: Tensor | None = None,
+        return_logits: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Draft a chain as vLLM does. aux_hidden [Bt, T, n, H] and input_ids [Bt, T] are the
         tokens the target processed; next_tokens [Bt] its next token. Returns [Bt, K] target
         ids (and the draft-vocab logits [Bt, K, Vd] with ``return_logits``)."""
@@ -183,8 +212,15 @@ def step_targets(input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, step: in
     return shift_left(input_ids, 2 + step), labelled
 
 
-def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: float, loss: LossKind = "tokens",
-                target_head: nn.Module | None = None) -> LossOutput:
+def eagle3_loss(
+    model: Eagle3Drafter,
+    batch: PackedBatch,
+    *,
+    steps: int,
+    decay: float,
+    loss: LossKind = "tokens",
+    target_head: nn.Module | None = None,
+) -> LossOutput:
     """Sum over TTT steps of decay**k × mean CE (or soft CE to the target) of step k."""
     doc_start, doc_end, pos = batch.documents()
     outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, doc_start, steps)
@@ -200,7 +236,7 @@ def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: 
         idx = torch.arange(t, device=pos.device).expand_as(pos)
         needed = torch.zeros_like(mask)
         for k, (_, ok) in enumerate(steps_ok):
-            needed[:, 1 + k:] |= ok[:, :max(0, t - 1 - k)]
+            needed[:, 1 + k :] |= ok[:, : max(0, t - 1 - k)]
         probs, rows = target_probs(target_head, batch.last_hidden, idx, needed)
     preds, labels, labelled = [], [], []
     for k, (out, (lab, ok)) in enumerate(zip(outs, steps_ok)):
@@ -210,8 +246,8 @@ def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: 
             lab_ce = lab[ok]
             per_item, weights = token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float()
         elif loss == "target_logits":
-            at = torch.cat([rows[:, 1 + k:], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
-            per_item = soft_cross_entropy_gathered(logits, probs, at[:, :rows.shape[1]][ok])
+            at = torch.cat([rows[:, 1 + k :], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
+            per_item = soft_cross_entropy_gathered(logits, probs, at[:, : rows.shape[1]][ok])
             weights = torch.ones_like(per_item)
         else:
             raise ValueError(f"unknown loss {loss!r}")
@@ -224,6 +260,10 @@ def eagle3_loss(model: Eagle3Drafter, batch: PackedBatch, *, steps: int, decay: 
     # A draft starts at every index whose bonus token (i+1) is a response token and whose
     # first draft position has a label.
     draft_valid = (shift_left(mask, 1, False) & labelled[0]).reshape(-1)
-    metrics = draft_metrics(torch.stack(preds, -1).reshape(-1, steps), torch.stack(labels, -1).reshape(-1, steps),
-                            torch.stack(labelled, -1).reshape(-1, steps), draft_valid)
+    metrics = draft_metrics(
+        torch.stack(preds, -1).reshape(-1, steps),
+        torch.stack(labels, -1).reshape(-1, steps),
+        torch.stack(labelled, -1).reshape(-1, steps),
+        draft_valid,
+    )
     return LossOutput(total, metrics)
