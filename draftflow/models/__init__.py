@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from draftflow.recipe.schema import DRAFTER_SECTIONS, register_drafter_section
-
 ALGORITHMS: dict[str, str] = {
     "dflash": "draftflow.models.dflash.algorithm:DFlash",
     "eagle3": "draftflow.models.eagle3.algorithm:Eagle3",
@@ -25,11 +23,16 @@ def register(cls: type, section: type | None = None) -> None:
     """Add a drafter kind at run time (a plugin, or a test's toy kind); ``section``: its recipe section."""
     _REGISTERED[cls.kind] = cls
     if section is not None:
+        # lazy: the model code alone (bench/gpu.py on a bare CUDA machine) runs without pydantic
+        from draftflow.recipe.schema import register_drafter_section
+
         register_drafter_section(section)
 
 
 def unregister(kind: str) -> None:
     """Undo :func:`register` (a test's toy kind must not leak into later tests)."""
+    from draftflow.recipe.schema import DRAFTER_SECTIONS, register_drafter_section
+
     _REGISTERED.pop(kind, None)
     if kind in DRAFTER_SECTIONS and kind not in ALGORITHMS:
         register_drafter_section(DRAFTER_SECTIONS.pop(kind), remove=True)
