@@ -47,7 +47,6 @@ class Monitor:
         layout: RunLayout,
         runtime: Runtime,
         source,
-        kind: str,
         draft_length: int,
         target_model: str,
         last_layer: int | None,
@@ -57,7 +56,7 @@ class Monitor:
         board: bool = True,
     ):
         self.layout, self.runtime, self.source = layout, runtime, source
-        self.kind, self.draft_length = kind, int(draft_length)
+        self.draft_length = int(draft_length)
         self.target_model, self.last_layer, self.context_layers = target_model, last_layer, context_layers
         self.validation_ids = list(validation_ids)
         self.eval_every = int(eval_every)
@@ -85,7 +84,6 @@ class Monitor:
             layout=layout,
             runtime=runtime,
             source=source,
-            kind=spec.kind,
             draft_length=spec.speculative_tokens,
             target_model=plan.target_model,
             last_layer=setup.layers.last,
@@ -123,7 +121,7 @@ class Monitor:
                 ids, mask = sample.token_ids.long().to(device), sample.loss_mask.to(device)
                 greedy = self._greedy_next(sample).to(device)
                 counts.merge(
-                    validation.sample_counts(model, self.kind, self.draft_length, hidden, ids, mask, greedy)
+                    validation.sample_counts(model, self.draft_length, hidden, ids, mask, greedy)
                 )
         total = self.runtime.all_reduce_sum(counts.as_tensor().to(device)).cpu()
         counts = validation.AcceptanceCounts.from_tensor(self.draft_length, total)

@@ -44,10 +44,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from draftflow.models.common import shift_left
-
-_ANCHOR_CHUNK = 256  # DFlash blocks per forward pass (bounds the logits' memory)
-
 
 def id_rank(sample_id: str) -> str:
     return hashlib.sha256(sample_id.encode()).hexdigest()
@@ -124,44 +120,8 @@ def anchors_of(loss_mask: Tensor, draft_length: int) -> Tensor:
     return idx[ok]
 
 
-@torch.no_grad()
-def dflash_drafts(model: nn.Module, hidden: Tensor, token_ids: Tensor, anchors: Tensor) -> Tensor:
-    """Greedy blocks at every anchor at once (what ``propose`` gives for the prefix x[0..a-1]
-    and bonus x[a]): hidden [T, n, H], token_ids [T], anchors [A] → target ids [A, B-1]."""
-    t = token_ids.shape[0]
-    pos = torch.arange(t, device=token_ids.device)[None]
-    context = model.fuse_context(hidden[None])
-    out = []
-    for chunk in anchors.split(_ANCHOR_CHUNK):
-        a = chunk[None]
-        valid = torch.ones_like(a, dtype=torch.bool)
-        start = torch.zeros_like(pos)
-        block_ids, block_pos, lo, hi = model.make_blocks(token_ids[None], pos, start, a, valid)
-        states = model(block_ids, block_pos, context, pos, lo, hi)
-        out.append(model.vocab.to_target(model.compute_logits(states[0, :, 1:]).argmax(-1)))
-    return torch.cat(out) if out else torch.zeros(0, model.config.block_size - 1, dtype=torch.long)
-
-
-@torch.no_grad()
-def eagle3_drafts(model: nn.Module, hidden: Tensor, token_ids: Tensor, draft_length: int) -> Tensor:
-    """Greedy chains at every index at once: row i is what ``propose`` drafts for the prefix
-    x[0..i] (states) and bonus x[i+1]; each step feeds the index's own previous draft, and
-    attends causally to step 0 plus its own earlier steps (vLLM's KV cache). → [T, k]."""
-    t = token_ids.shape[0]
-    pos = torch.arange(t, device=token_ids.device)[None]
-    lo, hi = torch.zeros_like(pos), pos + 1
-    tokens = shift_left(token_ids[None], 1)
-    state, cache, drafts = model.combine_hidden_states(hidden[None]), {}, []
-    for k in range(draft_length):
-        state = model.step(tokens, state, pos + k, cache, lo, hi)
-        drafts.append(model.vocab.to_target(model.compute_logits(state[0]).argmax(-1)))
-        tokens = drafts[-1][None]
-    return torch.stack(drafts, 1)
-
-
 def sample_counts(
     model: nn.Module,
-    kind: str,
     draft_length: int,
     hidden: Tensor,
     token_ids: Tensor,
@@ -173,10 +133,7 @@ def sample_counts(
     anchors = anchors_of(loss_mask, draft_length)
     if anchors.numel() == 0:
         return counts
-    if kind == "dflash":
-        drafts = dflash_drafts(model, hidden, token_ids, anchors)
-    else:
-        drafts = eagle3_drafts(model, hidden, token_ids, draft_length)[anchors - 1]
+    drafts = model.drafts_at_anchors(hidden, token_ids, anchors, draft_length)
     slots = anchors[:, None] + torch.arange(draft_length, device=anchors.device)  # g index of d_j: a + j - 1
     counts.add_runs(accepted_runs(drafts, greedy_next[slots]))
     return counts

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_fp8_store_from_vllm_is_close_to_full_precision_and_trains(
-    extraction_server, smollm2_dir: Path, tmp_path: Path
+    extraction_server, staging_dir: Path, smollm2_dir: Path, tmp_path: Path
 ):
-    data = recipe_dict(smollm2_dir, str(tmp_path / "store"), extraction_server.url)
+    data = recipe_dict(smollm2_dir, str(tmp_path / "store"), extraction_server.url, str(staging_dir))
     data["extraction"]["dtype"] = "float8_e4m3"
     data["drafter"] = {
         "kind": "dflash",

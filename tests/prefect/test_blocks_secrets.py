@@ -252,6 +252,8 @@ def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(
         python="/bin/true",
         model="m",
         port=9,
+        device="cpu",
+        max_model_len=1024,
         api_key=secrets["api key"],
         env={"HF_TOKEN": secrets["env token"]},
         extra_args=["--hf-token", secrets["arg token"]],

@@ -78,7 +78,7 @@ def test_batched_validation_acceptance_equals_a_naive_per_position_loop(kind):
     for seed in range(3):
         hidden, ids, mask, greedy = sample(seed, t=30 + 7 * seed)
         total_naive.merge(naive_counts(model, kind, k, hidden, ids, mask, greedy))
-        total.merge(validation.sample_counts(model, kind, k, hidden, ids, mask, greedy))
+        total.merge(validation.sample_counts(model, k, hidden, ids, mask, greedy))
     assert (
         total_naive.accepted > 0 and total_naive.accepted_per_position[1] > 0
     )  # not a trivial all-zero case

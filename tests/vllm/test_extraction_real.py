@@ -223,22 +223,6 @@ def test_client_with_wrong_api_key_gets_401_without_retries(smollm2_extraction):
     assert info.value.status == 401
 
 
-def test_staging_dir_is_empty_after_everything(smollm2_extraction):
-    assert list(smollm2_extraction.staging_dir.iterdir()) == []
-
-
-def test_handle_stops_the_server_it_started(smollm2_extraction):
-    """Runs last in this module: stopping here is what the fixture's teardown would do."""
-    proc = smollm2_extraction.handle.started[0]
-    pid, url = proc.pid, smollm2_extraction.url
-    smollm2_extraction.handle.stop()
-    assert proc.proc.poll() is not None
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)  # no process of its group (engine core, workers) is left
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{url}/health", timeout=2)
-
-
 def test_api_key_is_in_no_child_argv_and_store_secrets_in_no_child_env(smollm2_extraction):
     """Every process of the launched server (watchdog, API server, engine): /proc/PID/cmdline
     never holds the API key (any user can read it with ps); the environment has no store options."""
@@ -253,3 +237,19 @@ def test_api_key_is_in_no_child_argv_and_store_secrets_in_no_child_env(smollm2_e
         assert smollm2_extraction.api_key.encode() not in argv, argv
         environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         assert not any(v.startswith(STORAGE_OPTIONS_ENV.encode() + b"=") for v in environ)
+
+
+def test_staging_dir_is_empty_after_everything(smollm2_extraction):
+    assert list(smollm2_extraction.staging_dir.iterdir()) == []
+
+
+def test_handle_stops_the_server_it_started(smollm2_extraction):
+    """Runs last in this module: stopping here is what the fixture's teardown would do."""
+    proc = smollm2_extraction.handle.started[0]
+    pid, url = proc.pid, smollm2_extraction.url
+    smollm2_extraction.handle.stop()
+    assert proc.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # no process of its group (engine core, workers) is left
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)

@@ -202,6 +202,24 @@ class Eagle3Drafter(nn.Module):
         drafts = torch.stack(drafts, 1)
         return (drafts, torch.stack(logits, 1)) if return_logits else drafts
 
+    @torch.no_grad()
+    def drafts_at_anchors(self, aux_hidden: Tensor, token_ids: Tensor, anchors: Tensor, num_tokens: int) -> Tensor:
+        """What :meth:`propose` drafts (``num_tokens`` long) for the prefix
+        x[0..a-1] and bonus x[a], at every anchor a of one sequence at once (teacher-forced
+        validation). Each chain step feeds its index's own previous draft and attends causally to
+        step 0 plus its own earlier steps (vLLM's KV cache). aux_hidden [T, n, H], token_ids [T],
+        anchors [A] → target ids [A, K]."""
+        t = token_ids.shape[0]
+        pos = torch.arange(t, device=token_ids.device)[None]
+        lo, hi = torch.zeros_like(pos), pos + 1
+        tokens = shift_left(token_ids[None], 1)
+        state, cache, drafts = self.combine_hidden_states(aux_hidden[None]), {}, []
+        for k in range(num_tokens):
+            state = self.step(tokens, state, pos + k, cache, lo, hi)
+            drafts.append(self.vocab.to_target(self.compute_logits(state[0]).argmax(-1)))
+            tokens = drafts[-1][None]
+        return torch.stack(drafts, 1)[anchors - 1]
+
 
 def step_targets(input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, step: int) -> tuple[Tensor, Tensor]:
     """TTT step k at index i predicts the data token i+2+k (index i holds the target's state
