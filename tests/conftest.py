@@ -173,7 +173,10 @@ def s3(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """A real (temporary, SQLite) Prefect server for tests whose behaviour depends on it."""
+    """A real (temporary, SQLite) Prefect server for tests whose behaviour depends on it.
+
+    Not for tests/prefect: once entered (for the rest of the session) it points this process's
+    client away from the `prefect server start` that runners there use (use `prefect_server`)."""
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=90):

@@ -151,12 +151,16 @@ def start_process(prefect_server: PrefectServer, result_storage: Path, tmp_path:
 
 
 @pytest.fixture
-def start_runner(start_process, tmp_path: Path):
+def start_runner(start_process, prefect_server: PrefectServer, tmp_path: Path):
     """start_runner([{"flow": "flows.stages:extract", "name": ..., "parameters": ...}], env={...}) -> Runner
     serving those deployments; returns once the server lists them."""
     from prefect.client.orchestration import get_client
 
     def start(specs: list[dict], env: dict[str, str] | None = None) -> Runner:
+        from prefect.settings import PREFECT_API_URL
+
+        if PREFECT_API_URL.value() != prefect_server.api_url:  # the runner would serve elsewhere
+            pytest.fail(f"this process talks to {PREFECT_API_URL.value()}, not {prefect_server.api_url}")
         spec_file = tmp_path / f"runner-{uuid.uuid4().hex[:8]}.json"
         spec_file.write_text(json.dumps(specs))
         runner = start_process([sys.executable, str(HERE / "serve_runner.py"), str(spec_file)], env)

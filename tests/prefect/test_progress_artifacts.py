@@ -21,7 +21,7 @@ def three_shards() -> list:
 
 
 @pytest.mark.slow
-def test_waiting_for_shards_reports_progress_and_keeps_the_order(prefect_harness):
+def test_waiting_for_shards_reports_progress_and_keeps_the_order(prefect_server):
     from prefect.client.orchestration import get_client
 
     outcomes = three_shards()
