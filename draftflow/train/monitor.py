@@ -120,9 +120,7 @@ class Monitor:
                 hidden = sample.hidden_states[:, list(self.context_layers)].to(device)
                 ids, mask = sample.token_ids.long().to(device), sample.loss_mask.to(device)
                 greedy = self._greedy_next(sample).to(device)
-                counts.merge(
-                    validation.sample_counts(model, self.draft_length, hidden, ids, mask, greedy)
-                )
+                counts.merge(validation.sample_counts(model, self.draft_length, hidden, ids, mask, greedy))
         total = self.runtime.all_reduce_sum(counts.as_tensor().to(device)).cpu()
         counts = validation.AcceptanceCounts.from_tensor(self.draft_length, total)
         self.validations += 1
