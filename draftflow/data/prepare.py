@@ -61,7 +61,6 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
 from draftflow.data.regenerate import Generate, regenerate_conversations
 from draftflow.data.self_generated import (
     GenerationResult,
-    ProgressCallback,
     SampleText,
     generate_conversations,
 )
@@ -231,7 +230,6 @@ async def aprepare(
     regenerate_timeout_s: float | None = None,
     sample: SampleText | None = None,
     local_home: str | None = None,
-    progress: ProgressCallback | None = None,
 ) -> Prepared:
     """Prepare ``layout``'s samples from ``data``, or reuse them if the folder is complete.
 
@@ -246,7 +244,7 @@ async def aprepare(
     if data.regenerate_responses and generate is None:
         raise ValueError("data.regenerate_responses is set but no generate function was given")
 
-    generated = await _self_generate(data, layout, encoder, sample, generate, local_home, progress)
+    generated = await _self_generate(data, layout, encoder, sample, generate, local_home)
     candidates, source_stats = await asyncio.to_thread(select_conversations, data, generated)
     outcomes: list[tuple[Conversation | None, str | None]] = [(c.messages, None) for c in candidates]
     regenerate_errors: list[str] = []
@@ -285,7 +283,6 @@ async def _self_generate(
     sample: SampleText | None,
     generate: Generate | None,
     local_home: str | None,
-    progress: ProgressCallback | None,
 ) -> dict[int, GenerationResult]:
     """The conversations of every self-generated source, by source index (resumable)."""
     out: dict[int, GenerationResult] = {}
@@ -309,7 +306,6 @@ async def _self_generate(
             seed=data.seed,
             reply_max_tokens=data.regenerate_max_tokens,
             concurrency=data.regenerate_concurrency,
-            progress=progress,
             partial_path=layout.generation_partial(index, local_home or str(default_home())),
         )
         log.info("data.sources[%d] self-generated: %s", index, out[index].report())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from draftflow.async_run import run_pool
 from draftflow.data.sources import Conversation
 from draftflow.progress import stage
 
@@ -45,7 +46,6 @@ async def regenerate_conversations(
         conversations
     )
     errors: list[str] = []
-    pending = iter(range(len(conversations)))
     streak = [0]  # failures since the last successful reply, across all workers
 
     def failed(reason: str) -> tuple[None, str]:
@@ -78,20 +78,12 @@ async def regenerate_conversations(
 
     progress = stage("regenerating replies", len(conversations), unit="conversations")
 
-    async def worker() -> None:
-        for idx in pending:  # the shared iterator hands each index to exactly one worker
-            results[idx] = await one(conversations[idx])
-            progress.advance(failed=int(results[idx][0] is None))
+    async def work(idx: int) -> None:
+        results[idx] = await one(conversations[idx])
+        progress.advance(failed=int(results[idx][0] is None))
 
-    tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(conversations))))]
     try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        # gather leaves the other workers running on the caller's loop: stop them first.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+        await run_pool(range(len(conversations)), work, concurrency)
     finally:
         progress.close()
     return results, errors

@@ -23,20 +23,21 @@ rerun after a kill reads it and generates only what is missing. A torn last line
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftflow.async_run import run_pool
 from draftflow.data.chat import ChatEncoder
 from draftflow.data.cleaning import PromptCleaner, turn_problem
 from draftflow.data.regenerate import Generate
 from draftflow.data.sources import Conversation
+from draftflow.progress import stage
 from draftflow.recipe.schema import SelfGeneratedSection
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ TOPIC_SEEDS = {
 _SENTINEL = "DRAFTFLOW-USER-TURN-8c1f"
 _SEED_STRIDE_PER_TURN = 1_000_003  # follow-up turn k of attempt i uses seed + i + k * stride
 MIN_ATTEMPTS_BEFORE_GIVING_UP = 32
-
-ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 @dataclass
@@ -163,24 +162,6 @@ class _Partial:
         self._file.close()
 
 
-async def _pool(indices: Sequence[int], work: Callable[[int], Awaitable[None]], concurrency: int) -> None:
-    """Run ``work`` on every index with at most ``concurrency`` in flight; cancels the rest on error."""
-    pending = iter(indices)
-
-    async def worker() -> None:
-        for i in pending:  # the shared iterator hands each index to exactly one worker
-            await work(i)
-
-    tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(concurrency, len(indices))))]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 async def generate_conversations(
     settings: SelfGeneratedSection,
     encoder: ChatEncoder,
@@ -191,7 +172,6 @@ async def generate_conversations(
     reply_max_tokens: int,
     concurrency: int,
     partial_path: str,
-    progress: ProgressCallback | None = None,
 ) -> GenerationResult:
     """Generate, clean and resume one self-generated source (see the module docstring)."""
     check_user_role(encoder)
@@ -199,7 +179,7 @@ async def generate_conversations(
     resumed = len(partial.firsts) + len(partial.conversations)
     try:
         return await _generate(
-            settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial, progress, resumed
+            settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial, resumed
         )
     finally:
         partial.close()
@@ -214,7 +194,6 @@ async def _generate(
     reply_max_tokens: int,
     concurrency: int,
     partial: _Partial,
-    progress: ProgressCallback | None,
     resumed: int,
 ) -> GenerationResult:
     control = sorted(encoder.control_strings)
@@ -237,40 +216,41 @@ async def _generate(
     dropped: Counter = Counter()
     decided = 0  # attempts 0..decided-1 have been judged
 
-    sampled = [0]
+    prompts = stage("self-generating prompts", budget, unit="prompts")
 
     async def first(i: int) -> None:
         if i not in partial.firsts:
             partial.firsts[i] = await sample_user(i, [], 0)
             s = partial.firsts[i]
             partial.append({"first": i, "text": s.text, "finish_reason": s.finish_reason})
-        sampled[0] += 1
-        if progress:
-            progress("prompts", sampled[0], batch.stop)
+        prompts.advance()
 
-    while len(kept) < settings.num_prompts and decided < budget:
-        # Batch sizes change nothing in the result (attempts are judged in order), only how soon
-        # a target that writes nothing usable is caught: small batches until one prompt is kept.
-        wanted = settings.num_prompts - len(kept)
-        size = (
-            max(concurrency, math.ceil(wanted * 1.25))
-            if kept
-            else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
-        )
-        batch = range(decided, min(budget, decided + size))
-        await _pool(batch, first, concurrency)
-        for i in batch:
-            if len(kept) == settings.num_prompts:
+    try:
+        while len(kept) < settings.num_prompts and decided < budget:
+            # Batch sizes change nothing in the result (attempts are judged in order), only how soon
+            # a target that writes nothing usable is caught: small batches until one prompt is kept.
+            wanted = settings.num_prompts - len(kept)
+            size = (
+                max(concurrency, math.ceil(wanted * 1.25))
+                if kept
+                else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
+            )
+            batch = range(decided, min(budget, decided + size))
+            await run_pool(batch, first, concurrency)
+            for i in batch:
+                if len(kept) == settings.num_prompts:
+                    break
+                s = partial.firsts[i]
+                reason = cleaner.check(s.text, s.finish_reason)
+                if reason:
+                    dropped[reason] += 1
+                else:
+                    kept.append(i)
+                decided = i + 1
+            if not kept and decided >= min(budget, MIN_ATTEMPTS_BEFORE_GIVING_UP):
                 break
-            s = partial.firsts[i]
-            reason = cleaner.check(s.text, s.finish_reason)
-            if reason:
-                dropped[reason] += 1
-            else:
-                kept.append(i)
-            decided = i + 1
-        if not kept and decided >= min(budget, MIN_ATTEMPTS_BEFORE_GIVING_UP):
-            break
+    finally:
+        prompts.close()
     if not kept:
         raise SelfGenerationError(
             f"the target wrote no usable prompt: {decided} tried, {decided} dropped "
@@ -287,16 +267,14 @@ async def _generate(
         )
 
     # Phase 2: replies and follow-up turns for the kept prompts.
-    finished = [0]
+    conversations = stage("self-generating conversations", len(kept), unit="conversations")
 
     async def conversation(i: int) -> None:
         if i not in partial.conversations:
             partial.conversations[i] = await _converse(i, partial.firsts[i].text)
             messages, drop, cut = partial.conversations[i]
             partial.append({"conversation": i, "messages": messages, "drop": drop, "cut": cut})
-        finished[0] += 1
-        if progress:
-            progress("conversations", finished[0], len(kept))
+        conversations.advance(failed=int(partial.conversations[i][0] is None))
 
     async def _converse(i: int, opener: str) -> tuple[Conversation | None, str | None, str | None]:
         messages: Conversation = [{"role": "user", "content": opener}]
@@ -321,7 +299,10 @@ async def _generate(
             messages.append({"role": "assistant", "content": answer.strip()})
         return messages, None, None
 
-    await _pool(kept, conversation, concurrency)
+    try:
+        await run_pool(kept, conversation, concurrency)
+    finally:
+        conversations.close()
     conversations: list[Conversation] = []
     cut: Counter = Counter()
     for i in kept:

@@ -284,14 +284,7 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
             storage_options=store.storage_options,
             regenerate_timeout_s=plan.recipe.extraction.request_timeout_s,
             sample=sample,
-            progress=_log_progress,
         )
-
-
-def _log_progress(stage: str, done: int, total: int) -> None:
-    # A minimal progress line until the core has a shared progress helper.
-    if done == total or done % 16 == 0:
-        log.info("self-generation %s: %d/%d", stage, done, total)
 
 
 def _write_fingerprint(plan: Plan, store: Store) -> None:

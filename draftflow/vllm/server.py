@@ -140,39 +140,34 @@ def ensure_running(
     if launch is not None:
         handle.staging_dirs.append(expand(launch.staging_dir))
 
-        def relaunch(url: str) -> ServerProcess:
-            proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
-            try:
-                check_endpoint(
-                    url,
-                    model,
-                    layer_ids,
-                    hidden_size,
-                    api_key,
-                    probe_token_ids,
-                    health_timeout_s,
-                    handle.staging_dirs,
-                )
-            except BaseException:
-                proc.stop()
-                raise
-            return proc
+    def check(url: str) -> None:
+        check_endpoint(
+            url,
+            model,
+            layer_ids,
+            hidden_size,
+            api_key,
+            probe_token_ids,
+            health_timeout_s,
+            handle.staging_dirs,
+        )
 
-        handle.relaunch = relaunch
+    def launch_checked(url: str) -> ServerProcess:
+        proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
+        try:
+            check(url)
+        except BaseException:
+            proc.stop()
+            raise
+        return proc
+
+    if launch is not None:
+        handle.relaunch = launch_checked
     atexit.register(handle.stop)  # a crashed pipeline must not leave our servers running
     try:
         for url in urls:
             if is_healthy(url, health_timeout_s):
-                check_endpoint(
-                    url,
-                    model,
-                    layer_ids,
-                    hidden_size,
-                    api_key,
-                    probe_token_ids,
-                    health_timeout_s,
-                    handle.staging_dirs,
-                )
+                check(url)
                 note = (
                     f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
                     f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked"
@@ -189,18 +184,7 @@ def ensure_running(
                     f"no healthy vLLM server at {url} (GET /health failed) and the recipe has no "
                     "`vllm.launch` section to start one: start the server or add launch settings"
                 )
-            proc = start_server(url, model, layer_ids, api_key, launch, dtype, log_dir)
-            handle.started.append(proc)
-            check_endpoint(
-                url,
-                model,
-                layer_ids,
-                hidden_size,
-                api_key,
-                probe_token_ids,
-                health_timeout_s,
-                handle.staging_dirs,
-            )
+            handle.started.append(launch_checked(url))
     except BaseException:
         handle.stop()
         raise
