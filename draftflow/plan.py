@@ -17,6 +17,8 @@ from draftflow.recipe.load import RecipeError, expand
 from draftflow.recipe.schema import Recipe
 from draftflow.target import TargetInfo
 
+NOT_THE_STORE = ("training.run_dir", "publish.destination")  # skip_storage of store-only work
+
 
 @dataclass(frozen=True)
 class Plan:

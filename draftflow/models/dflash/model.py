@@ -49,8 +49,8 @@ from draftflow.models.losses import (
 )
 from draftflow.models.vocab import DraftVocab
 
-
 _ANCHOR_CHUNK = 256  # blocks per forward pass in drafts_at_anchors (bounds the logits' memory)
+
 
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
@@ -230,7 +230,9 @@ class DFlashDrafter(nn.Module):
         return (drafts, logits) if return_logits else drafts
 
     @torch.no_grad()
-    def drafts_at_anchors(self, hidden_states: Tensor, token_ids: Tensor, anchors: Tensor, num_tokens: int) -> Tensor:
+    def drafts_at_anchors(
+        self, hidden_states: Tensor, token_ids: Tensor, anchors: Tensor, num_tokens: int
+    ) -> Tensor:
         """What :meth:`propose` drafts for the prefix x[0..a-1] and bonus x[a], at every anchor a
         of one sequence at once (teacher-forced validation): hidden_states [T, n, H],
         token_ids [T], anchors [A] → target ids [A, B-1]; a block drafts ``num_tokens = B - 1``."""
@@ -243,7 +245,9 @@ class DFlashDrafter(nn.Module):
         for chunk in anchors.split(_ANCHOR_CHUNK):
             a = chunk[None]
             valid = torch.ones_like(a, dtype=torch.bool)
-            block_ids, block_pos, lo, hi = self.make_blocks(token_ids[None], pos, torch.zeros_like(pos), a, valid)
+            block_ids, block_pos, lo, hi = self.make_blocks(
+                token_ids[None], pos, torch.zeros_like(pos), a, valid
+            )
             states = self(block_ids, block_pos, context, pos, lo, hi)
             out.append(self.vocab.to_target(self.compute_logits(states[0, :, 1:]).argmax(-1)))
         if not out:

@@ -203,7 +203,9 @@ class Eagle3Drafter(nn.Module):
         return (drafts, torch.stack(logits, 1)) if return_logits else drafts
 
     @torch.no_grad()
-    def drafts_at_anchors(self, aux_hidden: Tensor, token_ids: Tensor, anchors: Tensor, num_tokens: int) -> Tensor:
+    def drafts_at_anchors(
+        self, aux_hidden: Tensor, token_ids: Tensor, anchors: Tensor, num_tokens: int
+    ) -> Tensor:
         """What :meth:`propose` drafts (``num_tokens`` long) for the prefix
         x[0..a-1] and bonus x[a], at every anchor a of one sequence at once (teacher-forced
         validation). Each chain step feeds its index's own previous draft and attends causally to
