@@ -37,6 +37,7 @@ from draftflow.evaluation.report import Evaluation
 from draftflow.models import algorithm_class, speculators
 from draftflow.paths import RunLayout
 from draftflow.plan import Plan
+from draftflow.process_env import storage_options_from_env
 from draftflow.remote import is_remote, local_copy, url_to_fs
 
 
@@ -242,6 +243,8 @@ def evaluate_checkpoint(
     with ``overrides``); see the module doc. ``in_vllm`` None: the recipe's
     ``evaluation.in_vllm``. ``server_factory`` None: start servers from ``vllm.launch``.
     ``out_dir`` None: :func:`default_eval_dir`."""
+    if storage_options is None:  # `draftflow evaluate`: the store's options come from the environment
+        storage_options = storage_options_from_env()
     plan = (
         plan_or_recipe
         if isinstance(plan_or_recipe, Plan)
