@@ -29,6 +29,9 @@ Layout of a store::
         best/step-NNNNNNNN.safetensors + best.json  trainable weights of the best validation τ
         export/                              the speculators folder vLLM serves
         eval/report.json, report.md, acceptance.png
+
+    LOCAL_HOME/remote-copies/HASH-RUN_ID-export  a remote export downloaded for the contract check,
+                                             the offline simulator, `vllm serve`, the model card
 """
 
 from __future__ import annotations
@@ -243,6 +246,24 @@ class RunLayout:
     @property
     def eval_chart(self) -> str:
         return join(self.eval_dir, "acceptance.png")
+
+
+def remote_copy(url: str, local_home: str) -> str:
+    """Local copy of a remote folder (an export on s3:// that the contract check, the offline
+    simulator, `vllm serve` or the model card need as files): named by the folder's last two
+    components and a hash of the whole URL, so two runs' `export/` folders never share a copy."""
+    import hashlib
+
+    parts = [p for p in url.split("://", 1)[-1].rstrip("/").split("/") if p][-2:]
+    name = "-".join(re.sub(r"[^A-Za-z0-9._-]", "_", p).lstrip(".") or "_" for p in parts)
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+    return join(local_home, "remote-copies", safe_component(f"{digest}-{name[:100]}"))
+
+
+def remote_copy_stamp(url: str, local_home: str) -> str:
+    """The listing (names, sizes, ETags) a :func:`remote_copy` was made from, beside it (not in it:
+    files inside an export count in its digest)."""
+    return remote_copy(url, local_home) + ".listing.json"
 
 
 def prompt_set_file(name: str) -> str:

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 from draftflow.paths import DataLayout
 from draftflow.recipe.catalog import resolve
-from draftflow.recipe.checks import resolve_context_layer_ids, validate
+from draftflow.recipe.checks import resolve_context_layer_ids, storage_errors, validate
 from draftflow.recipe.fingerprint import fingerprint
 from draftflow.recipe.load import RecipeError, expand
 from draftflow.recipe.schema import Recipe
 from draftflow.target import TargetInfo
+
+NOT_THE_STORE = ("training.run_dir", "publish.destination")  # skip_storage of store-only work
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,18 @@ class Plan:
     data: DataLayout
 
     @classmethod
-    def load(cls, recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Plan:
+    def load(
+        cls,
+        recipe: str,
+        overrides: list[str] | tuple[str, ...] = (),
+        *,
+        storage_options: dict | None = None,
+        skip_storage: tuple[str, ...] = (),
+    ) -> Plan:
+        """Validate and resolve. ``storage_options``: the store block's fsspec options (None: the
+        environment's); an ``s3://`` store, run folder or destination with no credentials in them
+        nor in the environment fails here, before any server starts (``skip_storage``: fields a
+        block replaces, e.g. ``publish.destination``)."""
         path = str(resolve(recipe))
         checked = validate(path, overrides)
         if checked.target is None:
@@ -40,6 +53,9 @@ class Plan:
                 "download the model (or point at a local folder) before running"
             )
         r = checked.recipe
+        errors = storage_errors(r, storage_options, skip=skip_storage)
+        if errors:
+            raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
         layer_ids = tuple(checked.layer_ids)
         fp = fingerprint(r, list(layer_ids))
         return cls(

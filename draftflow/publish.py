@@ -34,6 +34,7 @@ from draftflow.models.speculators import checkpoint_digest
 from draftflow.paths import EXPORT_RECIPE, MODEL_CARD, join
 from draftflow.recipe.load import expand, recipe_from_dict
 from draftflow.recipe.schema import Recipe
+from draftflow.remote import is_remote, local_copy
 
 PUBLISHED_MARKER = "PUBLISHED"
 VERSION_FILE = "draftflow-version.json"
@@ -136,16 +137,19 @@ def publish(
     *,
     target_info=None,
     recipe: Recipe | None = None,
+    storage_options: dict | None = None,
 ) -> Published:
     """Check, write the model card (and chart) into ``checkpoint``, push it to ``destination``.
 
     ``report``: the ``report.json`` of the evaluation of this checkpoint (its ``acceptance.png``
     beside it goes into the folder). ``target_info``: the verifier's sizes, for a fuller contract
     check. ``recipe``: used when the folder has no ``recipe.yaml`` (the trainer writes one).
-    ``destination`` None: check and write the card, push nothing.
+    ``destination`` None: check and write the card, push nothing. A remote ``checkpoint`` or
+    ``report`` (a run folder on s3://) is read through a local copy, with ``storage_options`` (None:
+    the environment's); the card is written into that copy, never into the run folder.
     """
-    folder = Path(checkpoint)
-    report = Path(report)
+    folder = local_copy(checkpoint, storage_options)
+    report = _local_report(str(report), storage_options)
     evaluation = Evaluation.from_dict(json.loads(report.read_text()))
     check_publishable(folder, evaluation, target_info)
     chart = report.with_name(CHART_FILE)
@@ -172,6 +176,14 @@ def publish(
     if destination.hub_repo:
         return push_hub(folder, destination.hub_repo, destination.hf_token, private=destination.private)
     return push_fsspec(folder, destination.url, recipe.name, destination.storage_options)
+
+
+def _local_report(report: str, storage_options: dict | None) -> Path:
+    """report.json as a local file; a remote one comes with its folder (the chart beside it)."""
+    if not is_remote(report):
+        return Path(report.removeprefix("file://"))
+    folder, _, name = report.rstrip("/").rpartition("/")
+    return local_copy(folder, storage_options) / name
 
 
 def _recipe(folder: Path, fallback: Recipe | None) -> tuple[Recipe, str]:

@@ -44,7 +44,7 @@ def pipeline(
     destination_block: str | None = None,
 ) -> PipelineResult:
     overrides = list(overrides or [])
-    ref = resolve_plan(recipe, overrides)
+    ref = resolve_plan(recipe, overrides, store_block, destination_block)
     online = ref["mode"] != "offline"
     extracted = extract(recipe, overrides, store_block, vllm_block, keep_server=online)
     server = extracted[1] if online else None
@@ -56,7 +56,9 @@ def pipeline(
         if server is not None:
             server.stop()  # evaluation starts its own servers (target + drafter, then target alone)
     evaluated = evaluate_task(recipe, overrides, trained["export_dir"], trained["run_dir"], store_block)
-    published = publish_task(recipe, overrides, trained["export_dir"], evaluated["report"], destination_block)
+    published = publish_task(
+        recipe, overrides, trained["export_dir"], evaluated["report"], destination_block, store_block
+    )
     return PipelineResult(
         ref["name"],
         ref["fingerprint"],

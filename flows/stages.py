@@ -31,7 +31,7 @@ def prepare(
     vllm_block: str | None = None,
 ) -> dict:
     overrides = list(overrides or [])
-    resolve_plan(recipe, overrides)
+    resolve_plan(recipe, overrides, store_block)
     # Starts (and stops) a plain vLLM server itself when the target must write text.
     return prepare_data(recipe, overrides, store_block, vllm_block)
 
@@ -50,7 +50,7 @@ def extract(
     (online / hybrid training) and stop it later.
     """
     overrides = list(overrides or [])
-    ref = resolve_plan(recipe, overrides)
+    ref = resolve_plan(recipe, overrides, store_block)
     # Preparation first, on a plain server (generation at full speed), then the extraction server.
     prepare_data(recipe, overrides, store_block, vllm_block)
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
@@ -77,7 +77,7 @@ def train(
     run_id: str | None = None,
 ) -> dict:
     overrides = list(overrides or [])
-    resolve_plan(recipe, overrides)
+    resolve_plan(recipe, overrides, store_block)
     return train_drafter(
         recipe, overrides, run_id or current_run_id(), store_block=store_block, vllm_block=vllm_block
     )
@@ -92,7 +92,7 @@ def evaluate(
     store_block: str | None = None,
 ) -> dict:
     overrides = list(overrides or [])
-    resolve_plan(recipe, overrides)
+    resolve_plan(recipe, overrides, store_block)
     return evaluate_task(recipe, overrides, checkpoint_dir, run_dir, store_block)
 
 
@@ -103,10 +103,11 @@ def publish(
     report: str,
     overrides: list[str] | None = None,
     destination_block: str | None = None,
+    store_block: str | None = None,
 ) -> dict:
     overrides = list(overrides or [])
-    resolve_plan(recipe, overrides)
-    return publish_task(recipe, overrides, checkpoint_dir, report, destination_block)
+    resolve_plan(recipe, overrides, store_block, destination_block)
+    return publish_task(recipe, overrides, checkpoint_dir, report, destination_block, store_block)
 
 
 def current_run_id() -> str:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 from blocks.infrastructure import CheckpointDestination
 from draftflow.evaluation.run import evaluate_checkpoint
-from draftflow.paths import RunLayout
+from draftflow.paths import RunLayout, join
+from draftflow.process_env import storage_options_from_env
 from draftflow.publish import Destination
 from draftflow.publish import publish as publish_checkpoint
+from draftflow.remote import is_remote, open_url
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
 
@@ -24,48 +24,66 @@ def evaluate(
     infra = infra_mod.resolve(recipe, overrides, store_block, None)
     plan = infra_mod.plan_for(recipe, infra)
     out = RunLayout(run_dir).eval_dir
+    options = infra.storage_options or None  # no block: the environment's (as the trainer had)
     try:
-        evaluation = evaluate_checkpoint(
-            checkpoint_dir, plan, out_dir=out, storage_options=infra.storage_options
-        )
+        evaluation = evaluate_checkpoint(checkpoint_dir, plan, out_dir=out, storage_options=options)
     finally:
-        summary = Path(out) / "report.md"
-        if summary.exists():  # disagreement raises after writing: the report still reaches the UI
+        summary = _read_text(join(out, "report.md"), options)
+        if summary is not None:  # disagreement raises after writing: the report still reaches the UI
             create_markdown_artifact(
-                key=artifact_key(plan, "acceptance"),
-                markdown=summary.read_text(),
-                description="acceptance report",
+                key=artifact_key(plan, "acceptance"), markdown=summary, description="acceptance report"
             )
+            chart = join(out, "acceptance.png")
             create_link_artifact(
                 key=artifact_key(plan, "acceptance-chart"),
-                link=f"file://{Path(out) / 'acceptance.png'}",
+                link=chart if is_remote(chart) else f"file://{chart}",
                 description="per-position acceptance chart",
             )
     get_run_logger().info("τ = %.3f (gate %s)", evaluation.tau, "pass" if evaluation.passed_gate else "FAIL")
     return {
-        "report": str(Path(out) / "report.json"),
+        "report": join(out, "report.json"),
         "tau": evaluation.tau,
         "passed_gate": evaluation.passed_gate,
     }
 
 
+def _read_text(url: str, storage_options: dict | None) -> str | None:
+    try:
+        with open_url(url, "r", storage_options) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 @task(name="publish-checkpoint")
 def publish(
-    recipe: str, overrides: list[str], checkpoint_dir: str, report: str, destination_block: str | None = None
+    recipe: str,
+    overrides: list[str],
+    checkpoint_dir: str,
+    report: str,
+    destination_block: str | None = None,
+    store_block: str | None = None,
 ) -> dict:
-    """:func:`draftflow.publish.publish` to the block's destination (else the recipe's); a refusal
-    fails the flow."""
-    plan = infra_mod.plan_for(recipe, infra_mod.Infra(overrides=list(overrides)))
+    """:func:`draftflow.publish.publish` to the block's destination (else the recipe's, with the
+    store's options); a refusal fails the flow. A run folder on s3:// is read with the store's options."""
+    infra = infra_mod.resolve(recipe, overrides, store_block, None)
+    plan = infra_mod.plan_for(recipe, infra, destination_block)
+    options = infra.storage_options or storage_options_from_env()
     url = plan.recipe.publish.destination
     destination = (
         CheckpointDestination.load(destination_block).destination()
         if destination_block
-        else Destination.parse(url)
+        else Destination.parse(url, storage_options=options)
         if url
         else None
     )
     published = publish_checkpoint(
-        checkpoint_dir, report, destination, target_info=plan.target, recipe=plan.recipe
+        checkpoint_dir,
+        report,
+        destination,
+        target_info=plan.target,
+        recipe=plan.recipe,
+        storage_options=options,
     )
     if published.location:
         create_link_artifact(

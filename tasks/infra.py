@@ -44,8 +44,15 @@ def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_blo
     return infra
 
 
-def plan_for(recipe: str, infra: Infra) -> Plan:
-    return Plan.load(recipe, infra.overrides)
+def plan_for(recipe: str, infra: Infra, destination_block: str | None = None) -> Plan:
+    """The plan, its remote folders checked against the store block's credentials (no block: the
+    environment's); a destination block replaces the recipe's publish.destination."""
+    return Plan.load(
+        recipe,
+        infra.overrides,
+        storage_options=infra.storage_options or None,
+        skip_storage=("publish.destination",) if destination_block else (),
+    )
 
 
 def subprocess_env(infra: Infra) -> dict[str, str]:

@@ -31,6 +31,7 @@ from prefect.artifacts import (
 from draftflow.plan import Plan
 from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.progress import Progress
+from draftflow.remote import is_remote
 from draftflow.train import RESULT_PREFIX
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
@@ -177,6 +178,13 @@ def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
         create_link_artifact(
             key=artifact_key(plan, "training-curves"),
             link=f"file://{curves}",
+            description="loss and validation τ against step (PNG)",
+        )
+    elif curves and is_remote(curves):  # a run folder on s3://: link the object, no inline image
+        lines += ["", f"Training curves: {curves}"]
+        create_link_artifact(
+            key=artifact_key(plan, "training-curves"),
+            link=curves,
             description="loss and validation τ against step (PNG)",
         )
     create_markdown_artifact(

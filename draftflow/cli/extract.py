@@ -96,11 +96,13 @@ class ProgressBar:
 def cmd_extract(args: argparse.Namespace) -> int:
     from draftflow.data.regenerate import RegenerationError
     from draftflow.extraction import run_extraction
-    from draftflow.plan import Plan
+    from draftflow.plan import NOT_THE_STORE, Plan
     from draftflow.vllm.client import VLLMError
     from draftflow.vllm.launch import ServerStartError
 
-    plan = Plan.load(args.recipe, args.overrides)
+    plan = Plan.load(
+        args.recipe, args.overrides, storage_options=storage_options(args), skip_storage=NOT_THE_STORE
+    )
     bar = ProgressBar()
     bar.line(plan.describe())
     from draftflow.progress import RichBar, reporting

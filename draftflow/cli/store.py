@@ -47,14 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _open(args: argparse.Namespace):
     """(Store, Plan or None) from the URL or --recipe; exactly one must be given."""
-    from draftflow.plan import Plan
+    from draftflow.plan import NOT_THE_STORE, Plan
     from draftflow.store import Store
 
     if bool(args.url) == bool(args.recipe):
         raise RecipeError("give the data folder URL or --recipe RECIPE (exactly one)")
     options = storage_options(args)
     if args.recipe:
-        plan = Plan.load(args.recipe, args.overrides)
+        plan = Plan.load(args.recipe, args.overrides, storage_options=options, skip_storage=NOT_THE_STORE)
         return Store(plan.data, options), plan
     return Store.at(args.url, options), None
 

@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import fsspec
-
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import eval_prompts
 from draftflow.evaluation.contract import ContractError, check_contract
@@ -39,6 +37,8 @@ from draftflow.evaluation.report import Evaluation
 from draftflow.models import algorithm_class, speculators
 from draftflow.paths import RunLayout
 from draftflow.plan import Plan
+from draftflow.process_env import storage_options_from_env
+from draftflow.remote import is_remote, local_copy, url_to_fs
 
 
 class AgreementError(RuntimeError):
@@ -61,18 +61,24 @@ class EvalRun:
 
 def default_eval_dir(checkpoint_dir: str | Path) -> str:
     """``RUN/eval`` for a run's ``RUN/export`` folder, else ``<checkpoint>-eval`` beside it."""
+    if is_remote(str(checkpoint_dir)):
+        parent, _, name = str(checkpoint_dir).rstrip("/").rpartition("/")
+        return RunLayout(parent).eval_dir if name == "export" else f"{parent}/{name}-eval"
     folder = Path(checkpoint_dir).resolve()
     if folder.name == "export":
         return RunLayout(str(folder.parent)).eval_dir
     return str(folder.with_name(folder.name + "-eval"))
 
 
-def write_evaluation(evaluation: Evaluation, out_dir: str) -> dict[str, str]:
-    """report.json, report.md, acceptance.png into a local folder or an fsspec URL."""
-    if "://" not in out_dir or out_dir.startswith("file://"):
+def write_evaluation(
+    evaluation: Evaluation, out_dir: str, storage_options: dict | None = None
+) -> dict[str, str]:
+    """report.json, report.md, acceptance.png into a local folder or an fsspec URL (``storage_options``
+    None: the environment's)."""
+    if not is_remote(out_dir):
         local = Path(out_dir.removeprefix("file://"))
         return {k: str(v) for k, v in evaluation.write(local).items()}
-    fs, root = fsspec.core.url_to_fs(out_dir)
+    fs, root = url_to_fs(out_dir, storage_options)
     with tempfile.TemporaryDirectory() as tmp:
         paths = evaluation.write(Path(tmp))
         out = {}
@@ -102,10 +108,13 @@ def evaluate_prompts(
     measure_baseline: bool = True,
     model=None,
     meta: dict | None = None,
+    storage_options: dict | None = None,
 ) -> EvalRun:
-    """Everything :func:`evaluate_checkpoint` does once the prompts are token ids."""
+    """Everything :func:`evaluate_checkpoint` does once the prompts are token ids. A remote
+    ``checkpoint_dir`` (an export on s3://) is evaluated from a local copy; the report names the URL."""
     checkpoint = str(checkpoint_dir)
-    problems = check_contract(checkpoint, target_info, verifier=target, fingerprint=fingerprint)
+    local = str(local_copy(checkpoint, storage_options))
+    problems = check_contract(local, target_info, verifier=target, fingerprint=fingerprint)
     evaluation = Evaluation(
         None,
         None,
@@ -114,12 +123,12 @@ def evaluate_prompts(
         checkpoint,
         contract_problems=problems,
         meta=dict(meta or {}, max_new_tokens=max_new_tokens),
-        checkpoint_digest=speculators.checkpoint_digest(checkpoint),
+        checkpoint_digest=speculators.checkpoint_digest(local),
     )
     run = EvalRun(evaluation)
     if problems and strict_contract:
         if out_dir is not None:
-            run.paths = write_evaluation(evaluation, str(out_dir))
+            run.paths = write_evaluation(evaluation, str(out_dir), storage_options)
         raise ContractError(
             f"{checkpoint}: checkpoint contract broken (nothing evaluated):\n- " + "\n- ".join(problems)
         )
@@ -127,7 +136,7 @@ def evaluate_prompts(
         raise EvaluationError("evaluation in vLLM needs a server factory (recipe: vllm.launch settings)")
     draft_length = (speculative_config or {}).get("num_speculative_tokens")
     run.offline = evaluate_offline(
-        checkpoint,
+        local,
         prompts,
         max_new_tokens=max_new_tokens,
         stop_ids=stop_ids,
@@ -139,7 +148,7 @@ def evaluate_prompts(
     evaluation.offline = run.offline.report
     if in_vllm:
         run.vllm = evaluate_in_vllm(
-            checkpoint,
+            local,
             prompts,
             max_new_tokens=max_new_tokens,
             server_factory=server_factory,
@@ -151,7 +160,7 @@ def evaluate_prompts(
         run.vllm.report.notes.append(f"{same}/{len(prompts)} outputs identical to the offline simulator's")
         evaluation.vllm = run.vllm.report
     if out_dir is not None:
-        run.paths = write_evaluation(evaluation, str(out_dir))
+        run.paths = write_evaluation(evaluation, str(out_dir), storage_options)
     message = evaluation.disagreement()
     if message:
         where = f"; report in {run.paths['report']}" if run.paths else ""
@@ -234,10 +243,12 @@ def evaluate_checkpoint(
     with ``overrides``); see the module doc. ``in_vllm`` None: the recipe's
     ``evaluation.in_vllm``. ``server_factory`` None: start servers from ``vllm.launch``.
     ``out_dir`` None: :func:`default_eval_dir`."""
+    if storage_options is None:  # `draftflow evaluate`: the store's options come from the environment
+        storage_options = storage_options_from_env()
     plan = (
         plan_or_recipe
         if isinstance(plan_or_recipe, Plan)
-        else Plan.load(str(plan_or_recipe), list(overrides))
+        else Plan.load(str(plan_or_recipe), list(overrides), storage_options=storage_options)
     )
     ev, launch = plan.recipe.evaluation, plan.recipe.vllm.launch
     in_vllm = ev.in_vllm if in_vllm is None else in_vllm
@@ -248,7 +259,7 @@ def evaluate_checkpoint(
                 "evaluation in vLLM starts its own server (target + this drafter): the recipe "
                 "needs vllm.launch settings, or pass --no-vllm"
             )
-        log_dir = None if "://" in out else out
+        log_dir = None if is_remote(out) else out
         server_factory = LaunchServerFactory(launch, log_dir=log_dir)
     encoder = load_chat_encoder(plan.recipe.target)
     max_total = launch.max_model_len if in_vllm and launch is not None else None
@@ -276,7 +287,11 @@ def evaluate_checkpoint(
     }
     if categories:
         meta["prompt_categories"] = categories
-    issue = known_vllm_issue(checkpoint_dir, launch.device) if in_vllm and launch is not None else None
+    issue = (
+        known_vllm_issue(local_copy(checkpoint_dir, storage_options), launch.device)
+        if in_vllm and launch is not None
+        else None
+    )
     if issue:
         meta["known_issue"] = issue
     run = evaluate_prompts(
@@ -296,5 +311,6 @@ def evaluate_checkpoint(
         strict_contract=strict_contract,
         speculative_config=speculative_config,
         meta=meta,
+        storage_options=storage_options,
     )
     return run.evaluation

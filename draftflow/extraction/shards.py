@@ -20,7 +20,7 @@ from draftflow import paths
 from draftflow.async_run import run_coroutine
 from draftflow.extraction.faults import injected_fault
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
-from draftflow.plan import Plan
+from draftflow.plan import NOT_THE_STORE, Plan
 from draftflow.recipe.load import expand
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
 from draftflow.store.shard import as_stored
@@ -198,7 +198,10 @@ def extract_shard_by_id(
     retried flow only does what is missing. The servers must be up (the flow checks them once
     with :func:`draftflow.vllm.server.ensure_running`); the data must be prepared.
     """
-    plan = Plan.load(recipe_path, list(overrides))
+    # The flow checked every folder before it started; a shard task touches only the store.
+    plan = Plan.load(
+        recipe_path, list(overrides), storage_options=storage_options or None, skip_storage=NOT_THE_STORE
+    )
     store = Store(plan.data, dict(storage_options or {}))
     planned = plan_shard(plan, store, shard_id, verify=verify)
     if planned is None:

@@ -100,3 +100,28 @@ def template_errors(recipe: Recipe) -> list[str]:
         field = "target.chat_template" if recipe.target.chat_template else "target.model (its chat template)"
         return [f"{field}: {err}; data.sources[{generated[0]}] (self_generated) needs one"]
     return []
+
+
+def storage_errors(
+    recipe: Recipe, storage_options: dict | None = None, *, skip: tuple[str, ...] = ()
+) -> list[str]:
+    """Remote folders of the recipe that cannot be written with the credentials available here.
+
+    ``storage_options``: the store block's (None: ``$DRAFTFLOW_STORAGE_OPTIONS``); the run folder and
+    an fsspec destination use the same ones. ``skip``: fields another block provides (a destination
+    block replaces ``publish.destination``). Fields failing for the same reason share one message.
+    """
+    from draftflow.remote import missing_credentials  # fsspec / botocore: only when a plan is built
+
+    urls = {"extraction.store": recipe.extraction.store, "training.run_dir": recipe.training.run_dir}
+    destination = recipe.publish.destination
+    if destination and not destination.startswith("hf://"):
+        urls["publish.destination"] = destination
+    by_reason: dict[str, list[str]] = {}
+    for name, url in urls.items():
+        if name in skip:
+            continue
+        reason = missing_credentials(expand(url), storage_options)
+        if reason:
+            by_reason.setdefault(reason, []).append(f"{name} ({url})")
+    return [f"{', '.join(fields)}: {reason}" for reason, fields in by_reason.items()]

@@ -45,12 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from draftflow.paths import RunLayout
     from draftflow.plan import Plan
+    from draftflow.recipe.load import RecipeError
     from draftflow.sample_source import MissingSamples
     from draftflow.train import run_state
     from draftflow.train.checkpointing import CheckpointUnreadable
     from draftflow.train.runtime import init_runtime, shutdown
 
-    plan = Plan.load(args.recipe, args.overrides)
+    try:  # before the process group: a bad recipe or missing credentials is one line, no traceback
+        plan = Plan.load(args.recipe, args.overrides)
+    except RecipeError as err:
+        print(f"draftflow.train: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     training = plan.recipe.training
     runtime = init_runtime(training.device)
     try:
@@ -65,15 +70,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args, argv, plan, layout, runtime) -> int:
+    from draftflow.process_env import storage_options_from_env
     from draftflow.sample_source import open_source
     from draftflow.train import drafter, loop, run_state
     from draftflow.train.monitor import Monitor
 
+    options = storage_options_from_env()  # the store's (and run folder's) options, never argv
     if runtime.is_main:  # builds and caches the draft vocabulary; the others then read it
-        setup = drafter.build(plan, is_main=True)
+        setup = drafter.build(plan, storage_options=options, is_main=True)
     runtime.barrier()
     if not runtime.is_main:
-        setup = drafter.build(plan, is_main=False)
+        setup = drafter.build(plan, storage_options=options, is_main=False)
     source = open_source(plan)
     run_state.record_skipped(layout, runtime, source.skipped)
     run_state.check_settings_agreed(
@@ -137,27 +144,26 @@ def _select(setup, layout, last_step: int, monitor) -> dict:
 
 
 def _write_selection(export_url: str, selected: dict) -> None:
-    import fsspec
-
     from draftflow.paths import EXPORT_SELECTION, join
+    from draftflow.remote import open_url
 
-    with fsspec.open(join(export_url, EXPORT_SELECTION), "w") as f:
+    with open_url(join(export_url, EXPORT_SELECTION), "w") as f:
         f.write(json.dumps(selected, indent=2) + "\n")
 
 
 def _export(setup, plan, export_url: str, argv) -> str:
-    import fsspec
-
+    from draftflow.remote import is_remote, put_folder
     from draftflow.train import drafter
 
     command = [sys.executable, "-m", "draftflow.train", *(argv if argv is not None else sys.argv[1:])]
-    fs, path = fsspec.core.url_to_fs(export_url)
-    if fs.protocol in ("file", "local") or "file" in fs.protocol:
+    if not is_remote(export_url):
+        path = export_url.removeprefix("file://")
         drafter.export(setup, plan, Path(path), command=command)
         return path
+    # An object store has no folders to write into: build the export locally, then one PUT per file.
     with tempfile.TemporaryDirectory() as tmp:
         drafter.export(setup, plan, Path(tmp), command=command)
-        fs.put(tmp + "/", path, recursive=True)
+        put_folder(tmp, export_url)
     return export_url
 
 

@@ -21,13 +21,13 @@ import secrets
 import sys
 from dataclasses import asdict, dataclass, field
 
-import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from draftflow.paths import CHECKPOINT_COMPLETE, RunLayout, join, temp_sibling
+from draftflow.remote import open_url, url_to_fs
 
 WEIGHTS = "trainable.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -59,7 +59,7 @@ class Resumable:
 
 def put_whole(url: str, data: bytes) -> None:
     """Write ``url`` so that it is either absent, its old bytes, or all of ``data``."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_to_fs(url)
     if not isinstance(fs, LocalFileSystem):
         fs.pipe_file(path, data)  # one PUT: the object store makes it visible whole
         return
@@ -73,7 +73,7 @@ def put_whole(url: str, data: bytes) -> None:
 
 def _fsync_dir(url: str) -> None:
     """Make the renames inside a local folder durable (no-op on object stores)."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_to_fs(url)
     if isinstance(fs, LocalFileSystem):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -83,7 +83,7 @@ def _fsync_dir(url: str) -> None:
 
 
 def _get(url: str) -> bytes:
-    with fsspec.open(url, "rb") as f:
+    with open_url(url, "rb") as f:
         return f.read()
 
 
@@ -93,7 +93,7 @@ def _digest(data: bytes) -> str:
 
 def save(layout: RunLayout, model: torch.nn.Module, optimizer, scheduler, state: TrainState) -> str:
     folder = layout.checkpoint(state.step)
-    fs, path = fsspec.core.url_to_fs(folder)
+    fs, path = url_to_fs(folder)
     fs.makedirs(path, exist_ok=True)
     marker = join(folder, CHECKPOINT_COMPLETE)
     if fs.exists(join(path, CHECKPOINT_COMPLETE)):  # a rerun of this step: unmark before replacing files
@@ -162,7 +162,7 @@ def read_verified(folder: str) -> dict[str, bytes]:
 
 def marked_steps(layout: RunLayout) -> list[int]:
     """Steps of checkpoint folders holding a marker, newest first."""
-    fs, root = fsspec.core.url_to_fs(layout.checkpoints_dir)
+    fs, root = url_to_fs(layout.checkpoints_dir)
     if not fs.exists(root):
         return []
     steps = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-import fsspec
+from draftflow.remote import open_url, url_to_fs
 
 METRIC_PREFIX = "DRAFTFLOW_METRICS "
 
@@ -20,7 +20,7 @@ class MetricsLog:
         self.url = url
         self.enabled = enabled
         self.lines: list[str] = []
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = url_to_fs(url)
         self._local = fs.protocol in ("file", "local") or "file" in fs.protocol
         if enabled:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -33,7 +33,7 @@ class MetricsLog:
         kept = [ln for ln in self.lines if json.loads(ln).get("step", 0) <= step]
         if len(kept) != len(self.lines) and self.enabled:
             self.lines = kept
-            with fsspec.open(self.url, "w") as f:
+            with open_url(self.url, "w") as f:
                 f.write("".join(ln + "\n" for ln in kept))
 
     def log(self, record: dict) -> None:
@@ -43,12 +43,12 @@ class MetricsLog:
         self.lines.append(line)
         print(METRIC_PREFIX + line, file=sys.stdout, flush=True)
         if self._local:
-            with fsspec.open(self.url, "a") as f:
+            with open_url(self.url, "a") as f:
                 f.write(line + "\n")
 
     def flush(self) -> None:
         if self.enabled and not self._local:
-            with fsspec.open(self.url, "w") as f:
+            with open_url(self.url, "w") as f:
                 f.write("\n".join(self.lines) + "\n")
 
 

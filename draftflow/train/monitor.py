@@ -15,12 +15,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-import fsspec
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from draftflow.paths import RunLayout
+from draftflow.remote import open_url, url_to_fs
 from draftflow.train import validation
 from draftflow.train.runtime import Runtime
 
@@ -36,7 +36,7 @@ class Best:
 
 
 def _is_local(url: str) -> bool:
-    fs, _ = fsspec.core.url_to_fs(url)
+    fs, _ = url_to_fs(url)
     return "file" in fs.protocol or fs.protocol in ("file", "local")
 
 
@@ -184,7 +184,7 @@ class Monitor:
         with tempfile.TemporaryDirectory() as tmp:
             local = f"{tmp}/curves.png"
             plot_training_curves(self._records, local, best_step=self.best.step if self.best else None)
-            fs, path = fsspec.core.url_to_fs(self.layout.training_curves)
+            fs, path = url_to_fs(self.layout.training_curves)
             fs.put_file(local, path)
         return self.layout.training_curves
 
@@ -194,19 +194,19 @@ def _write_best(layout: RunLayout, model: torch.nn.Module, best: Best) -> None:
     trainable = {
         n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad
     }
-    fs, folder = fsspec.core.url_to_fs(layout.best_dir)
+    fs, folder = url_to_fs(layout.best_dir)
     fs.makedirs(folder, exist_ok=True)
     previous = _read_best(layout)
-    with fsspec.open(best.weights, "wb") as f:
+    with open_url(best.weights, "wb") as f:
         f.write(save_safetensors(trainable))
-    with fsspec.open(layout.best_record, "w") as f:
+    with open_url(layout.best_record, "w") as f:
         f.write(json.dumps(best.as_dict()))
     if previous is not None and previous.weights != best.weights:
-        fs.rm(fsspec.core.url_to_fs(previous.weights)[1])
+        fs.rm(url_to_fs(previous.weights)[1])
 
 
 def _read_best(layout: RunLayout) -> Best | None:
-    fs, path = fsspec.core.url_to_fs(layout.best_record)
+    fs, path = url_to_fs(layout.best_record)
     if not fs.exists(path):
         return None
     data = json.loads(fs.cat_file(path))
@@ -218,7 +218,7 @@ def load_best(layout: RunLayout, model: torch.nn.Module) -> Best | None:
     best = _read_best(layout)
     if best is None:
         return None
-    with fsspec.open(best.weights, "rb") as f:
+    with open_url(best.weights, "rb") as f:
         weights = load_safetensors(f.read())
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -241,7 +241,7 @@ class _Board:
         from torch.utils.tensorboard import SummaryWriter
 
         if self.local:
-            folder = fsspec.core.url_to_fs(self.url)[1]
+            folder = url_to_fs(self.url)[1]
         else:
             self._tmp = tempfile.TemporaryDirectory()
             folder = self._tmp.name
@@ -266,7 +266,7 @@ class _Board:
             return
         self.writer.flush()
         if not self.local:
-            fs, path = fsspec.core.url_to_fs(self.url)
+            fs, path = url_to_fs(self.url)
             fs.put(self._tmp.name + "/", path, recursive=True)
 
     def close(self) -> None:

@@ -30,10 +30,10 @@ import threading
 import time
 from collections.abc import Iterator
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from draftflow.paths import RunLayout, join
+from draftflow.remote import url_to_fs
 from draftflow.train import checkpointing
 
 LEASE_S = 90.0
@@ -95,13 +95,13 @@ def differences(saved: dict, current: dict) -> list[str]:
 
 def has_state(layout: RunLayout) -> bool:
     """A checkpoint with its marker, or an export: something a rerun would continue from."""
-    fs, export = fsspec.core.url_to_fs(layout.export_dir)
+    fs, export = url_to_fs(layout.export_dir)
     return bool(checkpointing.marked_steps(layout)) or fs.exists(export)
 
 
 def check_settings(layout: RunLayout, settings: dict) -> None:
     """Refuse to resume a run saved under other settings; record the settings of a fresh one."""
-    fs, path = fsspec.core.url_to_fs(layout.settings)
+    fs, path = url_to_fs(layout.settings)
     saved = json.loads(fs.cat_file(path)) if fs.exists(path) else None
     if saved == settings:
         return
@@ -118,13 +118,13 @@ def check_settings(layout: RunLayout, settings: dict) -> None:
 
 def set_aside(layout: RunLayout) -> str | None:
     """--force-new: move the run's files (not its lock) beside it; returns where, None if nothing was there."""
-    fs, root = fsspec.core.url_to_fs(layout.root)
-    lock = fsspec.core.url_to_fs(layout.lock)[1]
+    fs, root = url_to_fs(layout.root)
+    lock = url_to_fs(layout.lock)[1]
     entries = [e for e in fs.ls(root, detail=False) if e.rstrip("/") != lock] if fs.exists(root) else []
     if not entries:
         return None
     target = layout.set_aside(time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-    fs_t, target_path = fsspec.core.url_to_fs(target)
+    fs_t, target_path = url_to_fs(target)
     fs_t.makedirs(target_path, exist_ok=True)
     for entry in entries:
         fs.mv(entry, join(target_path, entry.rstrip("/").rsplit("/", 1)[-1]), recursive=True)
@@ -136,7 +136,7 @@ class RunLock:
 
     def __init__(self, layout: RunLayout):
         self.layout = layout
-        self.fs, self.path = fsspec.core.url_to_fs(layout.lock)
+        self.fs, self.path = url_to_fs(layout.lock)
         self.local = isinstance(self.fs, LocalFileSystem)
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "token": secrets.token_hex(8)}
         self._fd: int | None = None
@@ -208,7 +208,7 @@ def record_skipped(layout: RunLayout, runtime, skipped: dict[str, str]) -> None:
     """Rank 0 writes the samples this run trains without, with each one's reason, and says how many."""
     if not runtime.is_main or not skipped:
         return
-    fsspec.core.url_to_fs(layout.root)[0].makedirs(fsspec.core.url_to_fs(layout.root)[1], exist_ok=True)
+    url_to_fs(layout.root)[0].makedirs(url_to_fs(layout.root)[1], exist_ok=True)
     checkpointing.put_whole(layout.skipped_samples, json.dumps(skipped, indent=1, sort_keys=True).encode())
     print(
         f"draftflow.train: training without {len(skipped)} train samples that are not available "
