@@ -17,6 +17,7 @@ def resolve_plan(recipe: str, overrides: list[str]) -> dict:
         "fingerprint": plan.fingerprint,
         "data_root": plan.data.root,
         "mode": plan.recipe.extraction.mode,
+        "nnodes": plan.recipe.training.nnodes,
         "shard_table_key": artifact_key(plan, "shards"),
         "description": plan.describe(),
     }
