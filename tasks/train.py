@@ -38,6 +38,24 @@ from tasks import infra as infra_mod
 from tasks.infra import artifact_key
 from tasks.progress import prefect_sinks
 
+
+def node_launch(
+    recipe: str,
+    overrides: list[str],
+    run_id: str,
+    node_rank: int = 0,
+    max_steps: int | None = None,
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+) -> tuple[Plan, list[str], dict[str, str]]:
+    """The plan, this node's torchrun command and the settings it gets through the environment
+    (secrets via env, never argv)."""
+    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
+    plan = infra_mod.plan_for(recipe, infra)
+    cmd = torchrun_command(plan, run_id, node_rank=node_rank, max_steps=max_steps)
+    return plan, cmd, infra_mod.subprocess_env(infra)
+
+
 STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM before SIGKILL
 
 
@@ -58,14 +76,14 @@ def train_drafter(
     rendezvous put it; the tasks of the other nodes return {"node_rank", "run_dir",
     "export_dir", "result_on_another_node": True} (the run folder is shared)."""
     logger = get_run_logger()
-    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
-    plan = infra_mod.plan_for(recipe, infra)
-    cmd = torchrun_command(plan, run_id, node_rank=node_rank, max_steps=max_steps)
+    plan, cmd, launch_env = node_launch(
+        recipe, overrides, run_id, node_rank, max_steps, store_block, vllm_block
+    )
     logger.info("training: %s", " ".join(cmd))
     sinks = prefect_sinks(artifact_key(plan, "training-progress"), f"training {plan.recipe.name}")
     progress = Progress("training", None, unit="steps", sinks=sinks)
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-    env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
+    env = {**os.environ, **launch_env}
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -98,3 +98,28 @@ def test_a_run_dir_on_an_object_store_needs_no_declaration(train_recipe, capsys)
         capsys, train_recipe, *MULTINODE, "--set", "training.run_dir=s3://team/runs", "--print-command"
     )
     assert code == 0, err
+
+
+def test_the_prefect_train_task_starts_the_node_it_is_given(train_recipe, capsys):
+    from tasks.train import node_launch
+
+    overrides = MULTINODE[1::2] + SHARED[1::2]
+    _, task_cmd, env = node_launch(str(train_recipe), overrides, "job7", node_rank=1, max_steps=3)
+    code, out, err = _cli(
+        capsys,
+        train_recipe,
+        "--node-rank",
+        1,
+        "--run-id",
+        "job7",
+        *MULTINODE,
+        *SHARED,
+        "--max-steps",
+        3,
+        "--print-command",
+    )
+    assert code == 0, err
+    assert task_cmd == shlex.split(out.strip())  # what `draftflow train` runs on that machine
+    assert "--rdzv-conf=is_host=0" in task_cmd and env == {}
+    with pytest.raises(Exception, match="node rank 2 is outside 0..1"):
+        node_launch(str(train_recipe), overrides, "job7", node_rank=2)
