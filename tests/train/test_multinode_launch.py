@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,21 @@ def test_the_prefect_train_task_starts_the_node_it_is_given(train_recipe, capsys
     assert "--rdzv-conf=is_host=0" in task_cmd and env == {}
     with pytest.raises(Exception, match="node rank 2 is outside 0..1"):
         node_launch(str(train_recipe), overrides, "job7", node_rank=2)
+
+
+def test_a_node_without_global_rank_0_points_the_task_at_the_shared_run_folder(train_recipe):
+    from draftflow.paths import RunLayout
+    from draftflow.plan import Plan
+    from tasks.train import _other_node_result
+
+    plan = Plan.load(str(train_recipe), MULTINODE[1::2] + SHARED[1::2])
+    layout = RunLayout.for_run(plan.recipe.training.run_dir, plan.recipe.name, plan.fingerprint, "job7")
+    before = _other_node_result(plan, "job7", 1)
+    assert before == {
+        "node_rank": 1,
+        "result_on_another_node": True,
+        "run_dir": layout.root,
+        "export_dir": None,
+    }
+    Path(layout.export_dir).mkdir(parents=True)  # rank 0's export, written on the other node
+    assert _other_node_result(plan, "job7", 1)["export_dir"] == layout.export_dir
