@@ -45,6 +45,8 @@ def _deploy(args) -> int:
         flow=args.flow,
         blocks=blocks,
         paused=args.paused,
+        node_rank=args.node_rank,
+        run_id=args.run_id,
     )
     schedule = (
         f"cron {args.cron!r} ({args.timezone or 'UTC'})" if args.cron else "no schedule (run on demand)"
@@ -75,6 +77,13 @@ def _add_deploy(sub) -> None:
             f"--{block}-block", dest=f"{block}_block", metavar="NAME", help=f"name of a saved {block} block"
         )
     p.add_argument("--paused", action="store_true", help="create the schedule paused")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="train flow of a multi-node recipe: the node this deployment's runs start (0..nnodes-1)",
+    )
+    p.add_argument("--run-id", default=None, help="train flow: the run id (the same for every node)")
     add_overrides(p)
     p.set_defaults(func=_deploy)
 

@@ -81,17 +81,31 @@ def deploy(
     flow: str = "pipeline",
     blocks: dict[str, str] | None = None,
     paused: bool = False,
+    node_rank: int | None = None,
+    run_id: str | None = None,
 ) -> UUID:
     """Create or update the deployment; returns its id. The recipe is validated first (schema +
-    overrides: the target need not be on this machine, only on the worker's)."""
+    overrides: the target need not be on this machine, only on the worker's).
+
+    `node_rank` / `run_id` (train flow only): a multi-node recipe gets one train deployment per
+    node, each on a pool whose worker runs on that machine; all start with the same run_id."""
     from prefect import flow as prefect_flow
     from prefect.schedules import Cron
+
+    from draftflow.train.launch import check_node_rank
 
     if flow not in ENTRYPOINTS:
         raise RecipeError(f"--flow {flow!r}: choose one of {', '.join(ENTRYPOINTS)}")
     parameter = recipe_parameter(recipe)
     parsed = load_recipe(catalog.resolve(recipe), list(overrides))
     parameters: dict = {"recipe": parameter, "overrides": list(overrides)}
+    if (node_rank is not None or run_id is not None) and flow != "train":
+        raise RecipeError(f"--node-rank and --run-id belong to the train flow, not {flow}")
+    if node_rank is not None:
+        check_node_rank(parsed.training, node_rank)
+        parameters["node_rank"] = node_rank
+    if run_id is not None:
+        parameters["run_id"] = run_id
     for key, value in (blocks or {}).items():
         if value:
             if key not in BLOCK_PARAMETERS[flow]:

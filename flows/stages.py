@@ -75,11 +75,24 @@ def train(
     store_block: str | None = None,
     vllm_block: str | None = None,
     run_id: str | None = None,
+    node_rank: int = 0,
 ) -> dict:
+    """With training.nnodes > 1: one run of this flow per machine (node_rank 0..nnodes-1, node 0 on
+    the rendezvous host), all with the same explicit run_id (each flow run has its own id)."""
     overrides = list(overrides or [])
-    resolve_plan(recipe, overrides, store_block)
+    ref = resolve_plan(recipe, overrides, store_block)
+    if ref["nnodes"] > 1 and not run_id:
+        raise ValueError(
+            f"training.nnodes={ref['nnodes']}: pass the same run_id to the train flow run of every node "
+            "(each flow run has its own id, so the nodes would neither meet nor share a run folder)"
+        )
     return train_drafter(
-        recipe, overrides, run_id or current_run_id(), store_block=store_block, vllm_block=vllm_block
+        recipe,
+        overrides,
+        run_id or current_run_id(),
+        store_block=store_block,
+        vllm_block=vllm_block,
+        node_rank=node_rank,
     )
 
 

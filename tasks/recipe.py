@@ -23,6 +23,7 @@ def resolve_plan(
         "fingerprint": plan.fingerprint,
         "data_root": plan.data.root,
         "mode": plan.recipe.extraction.mode,
+        "nnodes": plan.recipe.training.nnodes,
         "shard_table_key": artifact_key(plan, "shards"),
         "description": plan.describe(),
     }

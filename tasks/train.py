@@ -18,7 +18,6 @@ import collections
 import json
 import os
 import subprocess
-import sys
 import threading
 
 from prefect import get_run_logger, task
@@ -28,36 +27,34 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
+from draftflow.paths import RunLayout
 from draftflow.plan import Plan
 from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.progress import Progress
 from draftflow.remote import is_remote
 from draftflow.train import RESULT_PREFIX
+from draftflow.train.launch import torchrun_command
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
 from tasks.progress import prefect_sinks
 
 
-def torchrun_command(plan: Plan, run_id: str, max_steps: int | None = None) -> list[str]:
-    t = plan.recipe.training
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={t.nproc}",
-        f"--nnodes={t.nnodes}",
-    ]
-    if t.nnodes > 1:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}"]
-    else:
-        cmd += ["--standalone"]
-    cmd += ["-m", "draftflow.train", plan.recipe_path, "--run-id", run_id]
-    for override in plan.overrides:
-        cmd += ["--set", override]
-    if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
-    return cmd
+def node_launch(
+    recipe: str,
+    overrides: list[str],
+    run_id: str,
+    node_rank: int = 0,
+    max_steps: int | None = None,
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+) -> tuple[Plan, list[str], dict[str, str]]:
+    """The plan, this node's torchrun command and the settings it gets through the environment
+    (secrets via env, never argv)."""
+    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
+    plan = infra_mod.plan_for(recipe, infra)
+    cmd = torchrun_command(plan, run_id, node_rank=node_rank, max_steps=max_steps)
+    return plan, cmd, infra_mod.subprocess_env(infra)
 
 
 STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM before SIGKILL
@@ -71,17 +68,23 @@ def train_drafter(
     max_steps: int | None = None,
     store_block: str | None = None,
     vllm_block: str | None = None,
+    node_rank: int = 0,
 ) -> dict:
-    """Returns the trainer's result line: steps, run_dir, export_dir, last metrics."""
+    """Returns the trainer's result line: steps, run_dir, export_dir, last metrics.
+
+    With training.nnodes > 1 this task starts the node `node_rank` (one task per machine, the
+    same run_id on each). Global rank 0 prints the result line on whichever node the
+    rendezvous put it; the tasks of the other nodes return {"node_rank", "run_dir",
+    "export_dir", "result_on_another_node": True} (the run folder is shared)."""
     logger = get_run_logger()
-    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
-    plan = infra_mod.plan_for(recipe, infra)
-    cmd = torchrun_command(plan, run_id, max_steps)
+    plan, cmd, launch_env = node_launch(
+        recipe, overrides, run_id, node_rank, max_steps, store_block, vllm_block
+    )
     logger.info("training: %s", " ".join(cmd))
     sinks = prefect_sinks(artifact_key(plan, "training-progress"), f"training {plan.recipe.name}")
     progress = Progress("training", None, unit="steps", sinks=sinks)
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-    env = {**os.environ, **infra_mod.subprocess_env(infra)}  # secrets via env, never argv
+    env = {**os.environ, **launch_env}
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -119,6 +122,8 @@ def train_drafter(
     finally:
         if stop_group(proc, STOP_GRACE_S):
             logger.warning("training stopped: torchrun (process group %s) was ended with the task", proc.pid)
+    if code == 0 and result is None and plan.recipe.training.nnodes > 1:
+        return _other_node_result(plan, run_id, node_rank)
     if code != 0 or result is None:
         raise RuntimeError(f"torchrun exited with {code}; stderr tail:\n" + "".join(stderr_tail))
     progress.close()
@@ -139,6 +144,21 @@ def train_drafter(
             description="training loss and per-position accuracy",
         )
     return result
+
+
+def _other_node_result(plan: Plan, run_id: str, node_rank: int) -> dict:
+    """This node's torchrun succeeded without global rank 0. torchrun's exit barrier waits for
+    every node, so rank 0's export (if any) is complete in the shared run folder by now."""
+    import fsspec
+
+    layout = RunLayout.for_run(plan.recipe.training.run_dir, plan.recipe.name, plan.fingerprint, run_id)
+    fs, export = fsspec.core.url_to_fs(layout.export_dir)
+    return {
+        "node_rank": node_rank,
+        "result_on_another_node": True,
+        "run_dir": layout.root,
+        "export_dir": layout.export_dir if fs.exists(export) else None,
+    }
 
 
 def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:

@@ -10,7 +10,7 @@ import sys
 from draftflow.process_env import STORAGE_OPTIONS_ENV, storage_options_from_env
 from draftflow.recipe.load import RecipeError
 
-COMMAND_MODULES = ("recipes", "extract", "store", "evaluate", "publish")
+COMMAND_MODULES = ("recipes", "extract", "store", "train", "evaluate", "publish")
 
 
 def build_parser() -> argparse.ArgumentParser:

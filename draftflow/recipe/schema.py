@@ -11,6 +11,7 @@ not be readable (a hub id on an offline machine).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -269,8 +270,14 @@ class TrainingSection(Section):
         "tokens", description="Cross-entropy to the data's tokens or to the target's distribution."
     )
     nproc: int = Field(1, ge=1, description="Processes per node (torchrun --nproc-per-node).")
-    nnodes: int = Field(1, ge=1)
-    rdzv_endpoint: str | None = Field(None, description="host:port for multi-node rendezvous.")
+    nnodes: int = Field(
+        1, ge=1, description="Machines; each runs `draftflow train RECIPE --node-rank K` (K = 0..nnodes-1)."
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of torchrun's c10d rendezvous when nnodes > 1; node 0 runs on that host "
+        "and opens it.",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     log_every: int = Field(10, ge=1)
@@ -287,6 +294,12 @@ class TrainingSection(Section):
         0, ge=0, description="Steps between validations besides every epoch end; 0 = epoch ends only."
     )
     run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
+    run_dir_shared: bool = Field(
+        False,
+        description="Declares that run_dir, a local path, is the same folder on every node (an NFS or "
+        "Lustre mount). Needed for a local run_dir when nnodes > 1: rank 0 writes the checkpoints and "
+        "every rank reads them on resume, wherever it runs.",
+    )
     max_missing_fraction: float = Field(
         0.0,
         ge=0,
@@ -298,7 +311,20 @@ class TrainingSection(Section):
     @model_validator(mode="after")
     def _multinode_needs_rendezvous(self) -> TrainingSection:
         if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("nnodes > 1 needs `rdzv_endpoint`")
+            raise ValueError("nnodes > 1 needs `rdzv_endpoint` (host:port of node 0, e.g. head-node:29400)")
+        if self.rdzv_endpoint is not None and not re.fullmatch(
+            r"(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}", self.rdzv_endpoint
+        ):
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} is not host:port (e.g. head-node:29400)")
+        if self.nnodes > 1 and _node_local(self.run_dir) and not self.run_dir_shared:
+            # Whether a local path is a shared mount cannot be seen from one machine, so the
+            # recipe says so; otherwise node 1 would resume from a folder rank 0 never wrote.
+            raise ValueError(
+                f"run_dir {self.run_dir!r} is a path on one machine, but nnodes={self.nnodes}: every node "
+                "must see the same run folder (rank 0 writes the checkpoints, every rank reads them on "
+                "resume). Use an object-store URL (s3://…), or set run_dir_shared: true if the path is "
+                "a filesystem mounted on every node (NFS, Lustre)"
+            )
         return self
 
 
@@ -370,6 +396,14 @@ class Recipe(Section):
                 f"({self.training.pack_length}): a sample must fit one packed sequence"
             )
         return self
+
+
+LOCAL_PROTOCOLS = ("file", "local", "memory")  # fsspec protocols whose folders live on one machine
+
+
+def _node_local(url: str) -> bool:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    return protocol.split("::")[-1] in LOCAL_PROTOCOLS
 
 
 def _check_layer_list(ids: list[int], field: str) -> None:

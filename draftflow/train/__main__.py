@@ -6,9 +6,9 @@
     torchrun --nproc-per-node 2 -m draftflow.train recipes/smollm2-135m-dflash-cpu.yaml
     # one node, 8 GPUs (NCCL, bf16 autocast)
     torchrun --nproc-per-node 8 -m draftflow.train recipes/qwen3-8b-dflash.yaml
-    # several nodes: the recipe's training.rdzv_endpoint, on every node
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint head:29400 \\
-        -m draftflow.train recipes/gemma-4-31b-dflash.yaml
+    # several nodes: on machine K (node 0 on the training.rdzv_endpoint host), the same run id
+    draftflow train recipes/gemma-4-31b-dflash.yaml --node-rank K --run-id JOB
+    # (`--print-command` shows the torchrun line it runs: c10d at training.rdzv_endpoint)
 
 Rerunning the same command (same --run-id) resumes from the newest complete checkpoint whose
 files match their checksums; a rerun under other training settings is refused (--force-new).

@@ -42,6 +42,7 @@ NOT_COMPARED = frozenset(
         "log_every",
         "checkpoint_every",
         "run_dir",
+        "run_dir_shared",
         "rdzv_endpoint",
         "device",
         "nproc",

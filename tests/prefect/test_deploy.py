@@ -93,6 +93,48 @@ def test_deploy_creates_then_updates_a_scheduled_deployment(prefect_server, tmp_
     assert cli_main(["deploy", str(fork), "--pool", pool, "--flow", "train", "--destination-block", "x"]) == 2
 
 
+def test_a_multinode_recipe_gets_one_train_deployment_per_node(prefect_server, tmp_path: Path, capsys):
+    from flows.stages import train
+
+    fork = tmp_path / "multi.yaml"
+    assert cli_main(["recipes", "cp", "smollm2-135m-dflash-cpu", str(fork)]) == 0
+    overrides = [
+        "training.nnodes=2",
+        "training.rdzv_endpoint=node-0:29400",
+        "training.run_dir=s3://team/runs",
+    ]
+    pool = f"pool-{uuid.uuid4().hex[:6]}"
+    sets = [a for o in overrides for a in ("--set", o)]
+    for node in (0, 1):
+        argv = [
+            "deploy",
+            str(fork),
+            "--flow",
+            "train",
+            "--name",
+            f"multi-node-{node}",
+            "--pool",
+            f"{pool}-{node}",
+        ]
+        assert cli_main(argv + ["--node-rank", str(node), "--run-id", "job-1", *sets]) == 0
+        deployment, _ = read_deployment(f"draftflow-train/multi-node-{node}")
+        assert deployment.work_pool_name == f"{pool}-{node}"  # a pool per machine: its worker runs there
+        assert deployment.parameters == {
+            "recipe": str(fork),
+            "overrides": overrides,
+            "node_rank": node,
+            "run_id": "job-1",
+        }
+    capsys.readouterr()
+    assert cli_main(["deploy", str(fork), "--flow", "train", "--pool", pool, "--node-rank", "2", *sets]) == 2
+    assert "node rank 2 is outside 0..1" in capsys.readouterr().err
+    assert cli_main(["deploy", str(fork), "--pool", pool, "--node-rank", "0", *sets]) == 2
+    assert "belong to the train flow" in capsys.readouterr().err
+    # Each flow run has its own id: without a shared run_id the nodes would never meet.
+    with pytest.raises(ValueError, match="pass the same run_id to the train flow run of every node"):
+        train(str(fork), overrides, node_rank=1)
+
+
 def test_shipped_prefect_yaml(prefect_server):
     from prefect.cli.deploy._models import PrefectYamlModel
 

@@ -106,3 +106,9 @@ def train_dir(tmp_path, train_store_dir) -> Path:
     shutil.copytree(train_store_dir / "store", tmp_path / "store")
     write_recipe(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def train_recipe(tmp_path, smollm2_dir) -> Path:
+    """The trainer tests' recipe with an empty store: for checks that run before any training."""
+    return write_recipe(tmp_path)

@@ -1,0 +1,53 @@
+"""`draftflow train RECIPE [--node-rank K] [--run-id ID] [--set k=v] [--print-command]`.
+
+Validates the recipe, builds this node's torchrun command (draftflow.train.launch) and
+becomes it (exec): signals sent to this process reach torchrun directly, as if it had been
+typed. On several machines, run the same command on each with its own `--node-rank`
+(node 0 on the machine named by `training.rdzv_endpoint`) and the same `--run-id`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+
+from draftflow.cli import add_overrides
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train the recipe's drafter with torchrun on this node (one command per node)"
+    )
+    p.add_argument("recipe")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's node, 0..training.nnodes-1; node 0 hosts the rendezvous (default 0)",
+    )
+    p.add_argument(
+        "--run-id", default="default", help="runs with the same id resume each other; the same on every node"
+    )
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    p.add_argument("--force-new", action="store_true", help="move this run id's earlier files aside first")
+    p.add_argument("--no-export", action="store_true")
+    p.add_argument("--print-command", action="store_true", help="print the torchrun command and exit")
+    add_overrides(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from draftflow.plan import Plan
+    from draftflow.train.launch import torchrun_command
+
+    plan = Plan.load(args.recipe, args.overrides)  # RecipeError: one line, exit 2, nothing started
+    flags = tuple(f for f, on in (("--force-new", args.force_new), ("--no-export", args.no_export)) if on)
+    cmd = torchrun_command(
+        plan, args.run_id, node_rank=args.node_rank, max_steps=args.max_steps, trainer_args=flags
+    )
+    if args.print_command:
+        print(shlex.join(cmd))
+        return 0
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
