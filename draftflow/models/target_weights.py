@@ -93,6 +93,21 @@ def load_final_norm(model_dir: str | Path) -> Tensor:
     return read_tensor(model_dir, [p + "norm.weight" for p in _PREFIXES])[1]
 
 
+def load_decoder_layer(model_dir: str | Path, layer: int, names: list[str]) -> dict[str, Tensor]:
+    """The target decoder layer ``layer``'s tensors among ``names`` (relative to the layer, e.g.
+    ``self_attn.q_proj.weight``); names the target does not have are left out. Norm weights
+    come back as the factor they multiply by (Gemma's ``1 + w`` resolved)."""
+    offset = norm_offset(read_config(model_dir))
+    out = {}
+    for name in names:
+        try:
+            _, tensor = read_tensor(model_dir, [f"{p}layers.{layer}.{name}" for p in _PREFIXES])
+        except KeyError:
+            continue
+        out[name] = tensor + offset if "norm" in name else tensor
+    return out
+
+
 def norm_offset(cfg: dict) -> float:
     """Gemma-family RMSNorms scale by ``1 + w``; the others by ``w``."""
     return 1.0 if str(cfg.get("model_type", "")).startswith("gemma") else 0.0

@@ -218,6 +218,10 @@ class DFlashSection(Section):
         description="Recompute each decoder layer in backward: far less memory at many anchors, "
         "about a third more compute (bench/gpu.py measures both).",
     )
+    init_from_target: bool = Field(
+        False,
+        description="Start the decoder layers from the target's last layers instead of random weights.",
+    )
 
     @property
     def speculative_tokens(self) -> int:

@@ -64,6 +64,7 @@ class DFlash(DrafterAlgorithm):
             mask_token_id=recipe_mask_token(recipe, target_model),
             num_context_layers=num_context_layers,
             vocab=vocab,
+            init_from_target=spec.init_from_target,
         )
         model.checkpoint_layers = spec.activation_checkpointing
         return cls(model, settings=TrainSettings(spec, recipe.training.loss, target_head))

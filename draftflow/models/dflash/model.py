@@ -139,8 +139,10 @@ class DFlashDrafter(nn.Module):
         mask_token_id: int,
         num_context_layers: int,
         vocab: DraftVocab | None = None,
+        init_from_target: bool = False,
     ) -> DFlashDrafter:
-        """A fresh drafter whose embedding and head are read from the target's safetensors."""
+        """A fresh drafter whose embedding and head are read from the target's safetensors
+        (and its decoder layers too with ``init_from_target``: :meth:`copy_target_layers`)."""
         from draftflow.models.target_weights import load_embeddings, load_lm_head, read_config
 
         cfg = DFlashConfig.from_target(
@@ -155,7 +157,28 @@ class DFlashDrafter(nn.Module):
         with torch.no_grad():
             model.embed_tokens.weight.copy_(load_embeddings(target))
             model.lm_head.weight.copy_(load_lm_head(target)[model.vocab.target_ids()])
+            if init_from_target:
+                model.copy_target_layers(target)
         return model
+
+    @torch.no_grad()
+    def copy_target_layers(self, target: str | Path) -> list[str]:
+        """Start the decoder layers from the target's last ones (drafter layer i of n ← target
+        layer L - n + i): the same shapes, already turning hidden states into next-token
+        features for the target's own head, which the drafter shares. Tensors the target has
+        no counterpart for (q_norm / k_norm of a Llama target) keep their initial values.
+        Returns the names copied."""
+        from draftflow.models.target_weights import load_decoder_layer, read_config
+
+        total = int(read_config(target)["num_hidden_layers"])
+        copied = []
+        for i, layer in enumerate(self.layers):
+            own = layer.state_dict()
+            found = load_decoder_layer(target, total - len(self.layers) + i, list(own))
+            for name, tensor in found.items():
+                own[name].copy_(tensor.to(own[name].dtype))
+                copied.append(f"layers.{i}.{name}")
+        return copied
 
     def _impl(self, device: torch.device) -> str:
         return ("flex" if device.type != "cpu" else "dense") if self.attn_impl == "auto" else self.attn_impl
