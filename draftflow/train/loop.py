@@ -52,8 +52,13 @@ class _Stop:
     def _handle(self, signum, frame):
         self.requested = True
 
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+    def release(self):
+        """After the loop. Once a stop was agreed, the checkpoint is written and the process is
+        on its way to exit 143: a further SIGTERM must not kill it there. torchrun sends one to
+        every rank still running as soon as the first rank exits, and a rank killed by it
+        reports -15 instead of its clean 143 (the handler stays, still only setting the flag)."""
+        if not self.requested:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def anchor_generator(seed: int, step: int, pack_index: int, device: torch.device) -> torch.Generator:
@@ -177,7 +182,7 @@ def train(
             if stopping:
                 return LoopResult(state.step, resumed, True, last, found.torn)
     finally:
-        stop.restore()
+        stop.release()
         if monitor is not None:
             monitor.close()
     return LoopResult(state.step, resumed, False, last, found.torn)
