@@ -2,7 +2,7 @@
 # when everything is already there).
 SHELL := /bin/bash
 PYTEST_ARGS ?=
-DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu.yaml
+DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu-quality.yaml
 
 .PHONY: bootstrap demo lint test test-fast bench bench-quality
 
