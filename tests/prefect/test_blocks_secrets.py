@@ -266,32 +266,15 @@ def test_secrets_stay_out_of_reprs_child_env_argv_exports_and_errors(
     # the vLLM child: its environment gets the API key as vLLM's own variable, never the store's credentials
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps({"secret": secrets["s3 secret"]}))
     monkeypatch.setenv(VLLM_API_KEY_ENV, secrets["api key"])
-    env = build_env(
-        LaunchSpec(
-            python="/bin/true",
-            model="m",
-            port=9,
-            device="cpu",
-            max_model_len=1024,
-            api_key=secrets["api key"],
-        )
+    plain = LaunchSpec(
+        python="/bin/true", model="m", port=9, device="cpu", max_model_len=1024, api_key=secrets["api key"]
     )
+    env = build_env(plain)
     assert env["VLLM_API_KEY"] == secrets["api key"]  # how vLLM reads it: the environment, not argv
     shown["vLLM child env (besides VLLM_API_KEY)"] = json.dumps(
         {k: v for k, v in env.items() if k != "VLLM_API_KEY"}
     )
-    shown["vLLM child argv"] = " ".join(
-        build_command(
-            LaunchSpec(
-                python="/bin/true",
-                model="m",
-                port=9,
-                device="cpu",
-                max_model_len=1024,
-                api_key=secrets["api key"],
-            )
-        )
-    )
+    shown["vLLM child argv"] = " ".join(build_command(plain))
     # an exported drafter folder whose recipe launched vLLM with secrets in env and extra_args
     recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
     overrides = [
