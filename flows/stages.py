@@ -62,6 +62,7 @@ def extract(
             store_block,
             vllm_block,
             ref["shard_table_key"] + "-progress",
+            server,  # a launched server that dies mid-run is started again, its shards retried
         )
         summary = shard_table(shards, outcomes, ref["shard_table_key"], reasons)
         fail_on_failed_shards(summary)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,6 +35,19 @@ from tasks.infra import artifact_key
 from tasks.progress import prefect_sinks
 
 EXTRACTION_TAG = "draftflow-vllm-extraction"
+
+# check-or-start-vllm's handles by a random name. A shard task gets the name, never the handle: the
+# handle holds the server processes and the API key, and a task parameter may be pickled (a
+# distributed task runner) or shown. Entries go with their handle.
+_HANDLES: weakref.WeakValueDictionary[str, ServerHandle] = weakref.WeakValueDictionary()
+
+
+def handle_ref(server: ServerHandle | None) -> str | None:
+    if server is None:
+        return None
+    name = uuid.uuid4().hex
+    _HANDLES[name] = server
+    return name
 
 
 # Never cached, never persisted: a retried flow run (same run id) must check the servers again
@@ -137,7 +152,12 @@ def extract_shard(
     shard: str,
     store_block: str | None,
     vllm_block: str | None,
+    server_ref: str | None = None,
 ) -> dict:
+    """`server_ref`: names check-or-start-vllm's handle when this task runs in the flow's process
+    (the default thread pool); a server it launched that dies mid-shard is then started again and
+    the shard retried, as the CLI does. Elsewhere (a distributed task runner) the shard fails and a
+    retry of the flow run starts the server again."""
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
     if plan.fingerprint != fingerprint:
@@ -151,6 +171,7 @@ def extract_shard(
             api_key=infra.api_key,
             storage_options=infra.storage_options,
             verify="cached",
+            server=_HANDLES.get(server_ref) if server_ref else None,
         )
     return {
         "shard": shard,
@@ -216,17 +237,19 @@ def extract_every_shard(
     store_block: str | None,
     vllm_block: str | None,
     progress_key: str,
+    server: ServerHandle | None = None,
 ) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
     """One mapped extract-shard task per shard (call it from a flow), each shard's outcome, and why
     each shard had to run (plan-shards' reasons).
 
     The manifest is the truth: a shard it still lacks although its task "succeeded" came from a
-    stale cache (store wiped or moved) and runs again, ignoring the cache.
+    stale cache (store wiped or moved) and runs again, ignoring the cache. `server`: the handle
+    of check-or-start-vllm, which restarts a launched server that dies mid-run.
     """
     planned = plan_shards(recipe, overrides, store_block)
     shards = planned["all"]
     args = (unmapped(recipe), unmapped(overrides), unmapped(fingerprint))
-    infra = (unmapped(store_block), unmapped(vllm_block))
+    infra = (unmapped(store_block), unmapped(vllm_block), unmapped(handle_ref(server)))
     # done/total, rate, ETA and failures as the shard tasks finish
     outcomes = wait_for_shards(list(extract_shard.map(*args, shards, *infra)), progress_key)
     missing = set(plan_shards(recipe, overrides, store_block)["missing"])

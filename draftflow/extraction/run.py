@@ -32,21 +32,15 @@ from draftflow.recipe.fingerprint import fingerprint_inputs
 from draftflow.recipe.schema import DataSection, VLLMLaunchSection
 from draftflow.store import PlannedShard, Store, reconcile
 from draftflow.store.fp8 import server_dtype
-from draftflow.vllm.client import (
-    RETRYABLE_STATUS_MIN,
-    EndpointUnavailable,
-    RequestFailed,
-    VLLMClient,
-)
+from draftflow.vllm.client import VLLMClient
 from draftflow.vllm.hidden_states_file import sweep_stale
 from draftflow.vllm.plain_server import ensure_plain_running
-from draftflow.vllm.server import ensure_running, is_healthy
+from draftflow.vllm.server import ServerHandle, ensure_running, with_restarts
 
 log = logging.getLogger(__name__)
 
 _RECIPE = object()  # run_extraction(launch=...) default: take the recipe's vllm.launch
 _STALE_STAGING_S = 600.0
-_MAX_RESTARTS = 3  # server restarts per shard before the run gives up
 
 
 def run_extraction(
@@ -101,7 +95,7 @@ def run_extraction(
                 tracker,
                 verify,
                 shards_in_flight or 2 * len(urls),
-                revive=handle.revive,
+                server=handle,
             )
         )
     return summary.with_server(bool(handle.started), tuple(handle.unverified))
@@ -115,7 +109,7 @@ async def _extract_missing(
     tracker: ProgressTracker,
     verify: bool,
     shards_in_flight: int,
-    revive: Callable[[str], bool] | None = None,
+    server: ServerHandle | None = None,
 ) -> ExtractionSummary:
     # Files of clients killed mid-request (never read, never deleted) go first, not only after
     # a run that succeeds; only files far older than any request are touched.
@@ -139,30 +133,23 @@ async def _extract_missing(
         async with make_client(plan, endpoints, api_key) as client:
             version = await client.version()
             limit = asyncio.Semaphore(shards_in_flight)
-            restarts = _Restarts(endpoints, revive)
 
             async def one(shard: PlannedShard) -> ShardResult:
-                for attempt in itertools.count():
-                    seen = restarts.count
-                    try:
-                        async with limit:
-                            result = await extract_shard(
-                                plan,
-                                store,
-                                shard,
-                                client,
-                                vllm_version=version,
-                                train=train,
-                                on_sample=tracker.sample,
-                            )
-                        break
-                    except (EndpointUnavailable, RequestFailed) as err:
-                        # Nothing of the shard was committed: after a restart it runs again whole.
-                        server_side = (
-                            isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
+                async def attempt() -> ShardResult:
+                    async with limit:
+                        return await extract_shard(
+                            plan,
+                            store,
+                            shard,
+                            client,
+                            vllm_version=version,
+                            train=train,
+                            on_sample=tracker.sample,
                         )
-                        if not server_side or attempt >= _MAX_RESTARTS or not await restarts.restart(seen):
-                            raise
+
+                # A server that died is started again (launch settings) and the shard runs again
+                # whole: nothing of it was committed.
+                result = await with_restarts(attempt, server)
                 tracker.shard_done(result)
                 return result
 
@@ -178,30 +165,6 @@ async def _extract_missing(
     swept += early
     tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
     return tracker.summary(store.layout.root, results, version)
-
-
-class _Restarts:
-    """Restarts dead endpoints once for all the shards that saw them die (they fail together)."""
-
-    def __init__(self, endpoints: list[str], revive: Callable[[str], bool] | None):
-        self.endpoints, self.revive = endpoints, revive
-        self.count = 0
-        self._lock = asyncio.Lock()
-
-    async def restart(self, seen: int) -> bool:
-        """True when the shard should run again (servers restarted, by this call or another)."""
-        if self.revive is None:
-            return False
-        async with self._lock:
-            if self.count != seen:
-                return True
-            for url in self.endpoints:
-                if not await asyncio.to_thread(is_healthy, url) and not await asyncio.to_thread(
-                    self.revive, url
-                ):
-                    return False
-            self.count += 1
-            return True
 
 
 def needs_generation(data: DataSection) -> bool:

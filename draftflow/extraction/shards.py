@@ -25,6 +25,7 @@ from draftflow.recipe.load import expand
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
 from draftflow.store.shard import as_stored
 from draftflow.vllm.client import InvalidHiddenStates, RequestFailed, VLLMClient, VLLMError
+from draftflow.vllm.server import ServerHandle, with_restarts
 
 # HTTP statuses that mean "this prompt is unacceptable" (too long, bad tokens), not "the server
 # is broken" (5xx) or "we are misconfigured" (401/403/404: every sample would fail the same way).
@@ -191,12 +192,15 @@ def extract_shard_by_id(
     storage_options: dict | None = None,
     *,
     verify: bool | str = True,
+    server: ServerHandle | None = None,
 ) -> ShardResult:
     """Extract one shard from small references (the Prefect shard task's body).
 
     Idempotent: a shard that is already complete (and verifies) is skipped, so a rerun or a
     retried flow only does what is missing. The servers must be up (the flow checks them once
-    with :func:`draftflow.vllm.server.ensure_running`); the data must be prepared.
+    with :func:`draftflow.vllm.server.ensure_running`); the data must be prepared. `server`: that
+    check's handle, when this process holds it; a server of it that dies mid-shard is started
+    again (when it has launch settings) and the shard runs again whole.
     """
     # The flow checked every folder before it started; a shard task touches only the store.
     plan = Plan.load(
@@ -211,7 +215,8 @@ def extract_shard_by_id(
 
     async def go() -> ShardResult:
         progress = stage(f"extract shard {shard_id}", len(planned.sample_ids), unit="samples")
-        try:
+
+        async def attempt() -> ShardResult:
             async with make_client(plan, endpoints, api_key) as client:
                 return await extract_shard(
                     plan,
@@ -220,6 +225,9 @@ def extract_shard_by_id(
                     client,
                     on_sample=lambda _tokens, ok: progress.advance(failed=int(not ok)),
                 )
+
+        try:
+            return await with_restarts(attempt, server)
         finally:
             progress.close()
 

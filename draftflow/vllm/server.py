@@ -14,14 +14,17 @@ by construction; for others only count and hidden size are checked, the handle's
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import itertools
 import logging
 import socket
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -30,7 +33,10 @@ from draftflow.recipe.load import default_home, expand
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm import lifecycle
 from draftflow.vllm.client import (
+    RETRYABLE_STATUS_MIN,
+    EndpointUnavailable,
     ExtractionNotEnabled,
+    RequestFailed,
     VLLMClient,
     VLLMError,
     auth_headers,
@@ -42,10 +48,12 @@ from draftflow.vllm.client import (
 from draftflow.vllm.launch import LaunchSpec, ServerProcess
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Any ids will do for the probe: every vocabulary has them, and only shapes are checked.
 DEFAULT_PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8)
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+MAX_RESTARTS = 3  # server restarts one piece of work (a shard) may wait for before it fails
 
 
 class ServerCheckError(VLLMError):
@@ -75,6 +83,11 @@ class ServerHandle:
     staging_dirs: list[str] = field(default_factory=list)  # the only folders whose files are read/deleted
     # Starts (and checks) a server at a URL again; set when ensure_running had launch settings.
     relaunch: Callable[[str], ServerProcess] | None = field(default=None, repr=False)
+    restarts: int = field(default=0, init=False)  # rounds of restart_dead that restarted servers
+    # One lock for every caller (CLI coroutines in worker threads, Prefect shard tasks in threads).
+    _restart_lock: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     @property
     def log_paths(self) -> list[str]:
@@ -96,6 +109,21 @@ class ServerHandle:
         self.started.append(self.relaunch(url))
         return True
 
+    def restart_dead(self, seen: int) -> bool:
+        """After work failed because a server went away: start every endpoint that no longer
+        answers again, once for all the callers that saw it fail (they fail together). `seen` is
+        :attr:`restarts` as the caller read it before its attempt. True when it should try again."""
+        if self.relaunch is None:
+            return False
+        with self._restart_lock:
+            if self.restarts != seen:  # another caller restarted them meanwhile
+                return True
+            for url in self.endpoints:
+                if not is_healthy(url) and not self.revive(url):
+                    return False
+            self.restarts += 1
+            return True
+
     def stop(self) -> None:
         for proc in self.started:
             proc.stop()
@@ -106,6 +134,23 @@ class ServerHandle:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+async def with_restarts(attempt: Callable[[], Awaitable[T]], server: ServerHandle | None) -> T:
+    """``await attempt()``; when it fails because a server died (connection refused, 5xx after
+    the client's retries) and `server` can start it again, restart and retry, up to MAX_RESTARTS
+    times. The attempt must be safe to repeat whole (a shard commits nothing until it is done)."""
+    for tries in itertools.count():
+        seen = server.restarts if server is not None else 0
+        try:
+            return await attempt()
+        except (EndpointUnavailable, RequestFailed) as err:
+            server_side = isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
+            if not server_side or server is None or tries >= MAX_RESTARTS:
+                raise
+            if not await asyncio.to_thread(server.restart_dead, seen):
+                raise
+    raise AssertionError("unreachable")
 
 
 def ensure_running(

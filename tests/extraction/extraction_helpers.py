@@ -34,6 +34,19 @@ def recipe_dict(model: Path, store: str, endpoint: str, staging: str | None = No
     }
 
 
+def launch_recipe_dict(model: Path, store: str, port: int, staging: Path, vllm_python: str, **data) -> dict:
+    """recipe_dict whose `vllm.launch` starts SmolLM2 (CPU) at 127.0.0.1:`port` when none answers."""
+    recipe = recipe_dict(model, store, f"http://127.0.0.1:{port}", str(staging), **data)
+    recipe["vllm"]["launch"] = {
+        "python": vllm_python,
+        "device": "cpu",
+        "max_model_len": 1024,
+        "staging_dir": str(staging),
+        "startup_timeout_s": 600,
+    }
+    return recipe
+
+
 def write_recipe_file(
     path: Path, model: Path, store: str, endpoint: str, staging: str | None = None, **data
 ) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from extraction_helpers import recipe_dict
+from extraction_helpers import launch_recipe_dict
 from test_kill9_real import assert_nothing_partial
 
 from draftflow.data.prepare import prepare_recipe
@@ -68,22 +68,16 @@ def launch_run(vllm_servers, vllm_python: str, smollm2_dir: Path, tmp_path: Path
     home.mkdir()
     port = free_port()
     staging = tmp_path / "staging"
-    recipe = recipe_dict(
+    recipe = launch_recipe_dict(
         smollm2_dir,
         str(tmp_path / "store"),
-        f"http://127.0.0.1:{port}",
-        str(staging),
+        port,
+        staging,
+        vllm_python,
         sources=[{"kind": "chatterbot", "max_samples": 400}],
         num_samples=100,
         eval_samples=4,
     )
-    recipe["vllm"]["launch"] = {
-        "python": vllm_python,
-        "device": "cpu",
-        "max_model_len": 1024,
-        "staging_dir": str(staging),
-        "startup_timeout_s": 600,
-    }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     plan = Plan.load(str(path))

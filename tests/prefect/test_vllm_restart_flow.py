@@ -1,0 +1,105 @@
+"""The Prefect extract flow survives its launched vLLM server dying mid-run: it starts the server
+again (the CLI's restart logic, through the server handle) and retries the shards that were in
+flight, and the store ends complete, every sample exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from extraction_helpers import launch_recipe_dict
+
+from draftflow.extraction import expected_samples
+from draftflow.plan import Plan
+from draftflow.store import Store, read_manifest, verify
+from draftflow.vllm import lifecycle
+from draftflow.vllm.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def api_server_pids(pgid: int) -> list[int]:
+    """The vLLM API server of a launched group (not its watchdog, not the engine core)."""
+    out = []
+    for pid in lifecycle.group_members(pgid):
+        try:
+            if b"vllm.entrypoints" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_extract_flow_restarts_a_launched_server_killed_mid_run(
+    prefect_server, vllm_servers, vllm_python, smollm2_dir: Path, tmp_path: Path, monkeypatch
+):
+    from flows.stages import extract
+
+    vllm_servers.stop()  # one vLLM at a time on this host; the flow launches its own
+    monkeypatch.setenv("DRAFTFLOW_HOME", str(tmp_path / "home"))  # this test's launch records only
+    port = free_port()
+    staging = tmp_path / "staging"
+    recipe = launch_recipe_dict(
+        smollm2_dir,
+        str(tmp_path / "store"),
+        port,
+        staging,
+        vllm_python,
+        sources=[{"kind": "chatterbot", "max_samples": 200}],
+        num_samples=64,
+        eval_samples=4,
+        max_length=128,
+    )
+    recipe["name"] = "prefect-vllm-restart"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    plan = Plan.load(str(path))
+    store = Store(plan.data)
+    seen: dict = {}
+
+    def kill_mid_run() -> None:
+        """Once some shards are committed (and others are not), kill -9 the launched API server;
+        then note the server the flow launched in its place."""
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            try:
+                done = read_manifest(store).num_rows
+            except Exception:  # nothing committed yet
+                done = 0
+            records = lifecycle.records()
+            if done >= 4 and records:
+                pgid = records[0].pgid
+                pids = api_server_pids(pgid)
+                if pids:
+                    seen["committed at kill"] = done
+                    seen["killed group"] = pgid
+                    os.kill(pids[0], signal.SIGKILL)
+                    break
+            time.sleep(0.1)
+        while time.monotonic() < deadline and "new group" not in seen:
+            fresh = [r.pgid for r in lifecycle.records() if r.pgid != seen.get("killed group")]
+            if fresh:
+                seen["new group"] = fresh[0]
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_mid_run, daemon=True)
+    killer.start()
+    summary = extract(str(path))
+    killer.join(timeout=5)
+
+    expected = [e.sample_id for e in expected_samples(plan, store)]
+    assert 4 <= seen.get("committed at kill", 0) < len(expected), seen  # killed mid-run
+    assert seen.get("new group"), seen  # a server was started again
+    assert summary["failed"] == 0
+    ids = read_manifest(store)["sample_id"].to_pylist()
+    assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids)  # none lost, none twice
+    assert verify(store).ok
+    # the flow stopped the server it started again; nothing of either launch is left
+    assert lifecycle.records() == []
+    for group in (seen["killed group"], seen["new group"]):
+        assert not lifecycle._group_alive(group), group
