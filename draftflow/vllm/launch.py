@@ -266,26 +266,36 @@ class ServerProcess:
         port belongs to its process group, and it serves the launched model. Any other server
         answering on the port (one found there after a long wait for the host lock) is not it."""
         deadline = time.monotonic() + timeout_s
-        warned = False
+        foreign = False  # something else answered on our port: say so when we fail
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ServerStartError(
-                    f"vLLM exited with code {self.proc.returncode} during start-up; log tail:\n{self.log_tail()}"
+                    f"{self._foreign_note() if foreign else ''}vLLM exited with code {self.proc.returncode} "
+                    f"during start-up; log tail:\n{self.log_tail()}"
                 )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     if self.answers_as_launched():
                         return
-                    if not warned:
+                    if not foreign:
                         log.warning(
                             "%s answers, but not from the server just launched; waiting for ours", self.url
                         )
-                        warned = True
+                        foreign = True
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise ServerStartError(f"vLLM not healthy after {timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+        raise ServerStartError(
+            f"{self._foreign_note() if foreign else ''}vLLM not healthy after {timeout_s:.0f}s; "
+            f"log tail:\n{self.log_tail()}"
+        )
+
+    def _foreign_note(self) -> str:
+        return (
+            f"another server answers at {self.url} (not the vLLM this run launched; it is never used "
+            f"in its place): it holds port {self.spec.port}; stop it or give the endpoint another port. "
+        )
 
     def answers_as_launched(self) -> bool:
         """The process group we launched listens on the port and serves the launched model."""
