@@ -38,6 +38,9 @@ def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_blo
         infra.api_key = block.api_key_value()
         infra.launch = settings.launch
         infra.launch_from_block = True
+        # Through the recipe too: the trainer (torchrun, hybrid / online modes) reads its endpoints
+        # from the recipe and would otherwise ask the recipe's servers, not the block's.
+        infra.overrides.append(f"vllm.endpoints={json.dumps(infra.endpoints)}")
         if settings.launch is not None:
             # The shard tasks plan from the recipe: they must accept the block's staging folder too.
             infra.overrides.append(f"vllm.staging_dirs={json.dumps([settings.launch.staging_dir])}")
