@@ -61,12 +61,13 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
     plan = Plan.load(str(path))
     store = Store(plan.data)
     seen: dict = {}
+    finished = threading.Event()
 
     def kill_mid_run() -> None:
         """Once some shards are committed (and others are not), kill -9 the launched API server;
         then note the server the flow launched in its place."""
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
+        # No deadline but the flow's end: the launch may wait long for the CPU host lock.
+        while not finished.is_set():
             try:
                 done = read_manifest(store).num_rows
             except Exception:  # nothing committed yet
@@ -81,7 +82,7 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
                     os.kill(pids[0], signal.SIGKILL)
                     break
             time.sleep(0.1)
-        while time.monotonic() < deadline and "new group" not in seen:
+        while not finished.is_set() and "new group" not in seen:
             fresh = [r.pgid for r in lifecycle.records() if r.pgid != seen.get("killed group")]
             if fresh:
                 seen["new group"] = fresh[0]
@@ -89,8 +90,11 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
 
     killer = threading.Thread(target=kill_mid_run, daemon=True)
     killer.start()
-    summary = extract(str(path))
-    killer.join(timeout=5)
+    try:
+        summary = extract(str(path))
+    finally:
+        finished.set()
+        killer.join(timeout=5)
 
     expected = [e.sample_id for e in expected_samples(plan, store)]
     assert 4 <= seen.get("committed at kill", 0) < len(expected), seen  # killed mid-run
@@ -103,3 +107,7 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
     assert lifecycle.records() == []
     for group in (seen["killed group"], seen["new group"]):
         assert not lifecycle._group_alive(group), group
+    print(
+        f"vLLM kill -9 during the extract flow: killed with {seen['committed at kill']} of {len(expected)} "
+        f"samples committed; restarted; {len(ids)}/{len(expected)} samples, 0 lost, 0 duplicated, 0 corrupt"
+    )
