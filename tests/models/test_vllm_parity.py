@@ -91,9 +91,15 @@ def test_proposals_match_vllm(name, synthetic, vllm_python, tmp_path):
         drafts, logits = model.propose(aux, next_token, return_logits=True)
         # vLLM's own context-key normalisation (the draftflow vLLM plugin's, on this CPU build)
         # must equal each layer's k_norm: the stock CPU kernel applies layer 0's to every layer.
-        assert ref["grouped_k_norm_ok"], (
-            "vLLM's DFlash k_norm is not per layer: is the draftflow vLLM plugin installed?"
+        hint = (
+            ""
+            if ref["grouped_k_norm_ok"]
+            else " (vLLM's DFlash k_norm is not per layer: no draftflow vLLM plugin?)"
         )
+        torch.testing.assert_close(
+            logits[0], torch.tensor(ref["logits"]), rtol=0, atol=1e-4, msg=lambda m: m + hint
+        )
+        assert ref["grouped_k_norm_ok"]
     else:
         assert ref["architecture"] == "Eagle3LlamaForCausalLM"
         drafts, logits = model.propose(aux, batch.input_ids[:1, :t], next_token, 4, return_logits=True)
