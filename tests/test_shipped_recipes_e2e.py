@@ -82,7 +82,15 @@ def s3_env(s3, monkeypatch):
     options = s3["storage_options"]
     fs = fsspec.filesystem("s3", **options)
     if not fs.exists(BUCKET):
-        fs.mkdir(BUCKET)
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=s3["endpoint"],
+            region_name="us-east-1",
+            aws_access_key_id=options["key"],
+            aws_secret_access_key=options["secret"],
+        ).create_bucket(Bucket=BUCKET)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps(options))

@@ -3,11 +3,11 @@ draftflow vLLM plugin; without it (the CPU build's k_norm defect) the agreement 
 the defect.
 
 The drafter is trained by `draftflow.train` (2 layers, SmolLM2 states). Then its layer 1 is
-re-parametrised without changing what it computes: k_norm x C and q_norm / C (RoPE is linear, so
-every attention logit q.k is unchanged; the simulator's drafts stay the same). The CPU build's
-defect normalises layer 1's context keys with layer 0's k_norm instead, so its context logits
-shrink by ~C: a defective server drafts other tokens and accepts a different number of them. That
-makes the test decisive whatever k_norm training happened to learn.
+re-parametrised without changing what it computes: k_norm x C and q_norm / C with C = 1/16 (RoPE is
+linear, so every attention logit q.k is unchanged; the simulator's drafts stay the same). The CPU
+build's defect normalises layer 1's context keys with layer 0's k_norm instead, so its context
+logits grow ~16x (a sharp attention where the drafter has a soft one): a defective server drafts
+other tokens and accepts a different number of them, whatever k_norm training happened to learn.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from draftflow.vllm.plugin import DFLASH_CPU_K_NORM, PLUGIN_NAME, installed_fixe
 pytestmark = pytest.mark.slow
 EOS = 2
 LAYERS = 2
-C = 8.0
+C = 1 / 16
 NO_PLUGIN = {"VLLM_PLUGINS": "none"}  # vLLM loads only the general plugins named here: none of ours
 
 
@@ -108,6 +108,8 @@ def test_multilayer_dflash_drafts_in_cpu_vllm_as_the_simulator(train_dir, smollm
     per_prompt = [(p.drafts, p.accepted, p.accepted_per_position) for p in offline.per_prompt]
     assert [(p.drafts, p.accepted, p.accepted_per_position) for p in served.per_prompt] == per_prompt
     assert run.evaluation.agrees
+    server_log = Path(vllm_servers.current[1].spec.log_path).read_text()
+    assert "draftflow-vllm-cpu: DFlash context k_norm runs per layer on CPU" in server_log
 
     # The same checkpoint on a server that does not load the plugin: the CPU build's defect.
     with pytest.raises(AgreementError, match="known defect: vLLM 0.32's CPU build drafts wrongly") as err:
