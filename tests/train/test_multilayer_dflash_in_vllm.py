@@ -1,13 +1,15 @@
-"""A multi-layer DFlash drafts in the real CPU vLLM exactly as draftflow's simulator says, with the
-draftflow vLLM plugin; without it (the CPU build's k_norm defect) the agreement check fails and names
-the defect.
+"""A multi-layer DFlash served by the real CPU vLLM drafts exactly as draftflow's simulator says,
+with the draftflow vLLM plugin loaded by the server.
 
 The drafter is trained by `draftflow.train` (2 layers, SmolLM2 states). Then its layer 1 is
 re-parametrised without changing what it computes: k_norm x C and q_norm / C with C = 1/16 (RoPE is
-linear, so every attention logit q.k is unchanged; the simulator's drafts stay the same). The CPU
-build's defect normalises layer 1's context keys with layer 0's k_norm instead, so its context
-logits grow ~16x (a sharp attention where the drafter has a soft one): a defective server drafts
-other tokens and accepts a different number of them, whatever k_norm training happened to learn.
+linear, so every attention logit q.k is unchanged; the simulator's drafts stay the same), so layer
+1's k_norm is far from layer 0's, which the CPU build's stock kernel would apply to every layer.
+
+Where the defect shows decisively: tests/models/test_vllm_parity.py (vLLM's own classes; without
+the plugin 504/512 draft logits of a 2-layer DFlash differ). Here it does not: this drafter is
+accepted so rarely (τ ≈ 1.03) that a server without the plugin (`VLLM_PLUGINS=none`, tried with
+C = 8 and 1/16) gave the same acceptance counts, so that comparison is not part of the test.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from draftflow.evaluation.in_vllm import reusing_factory
-from draftflow.evaluation.run import AgreementError, evaluate_prompts, known_vllm_issue
+from draftflow.evaluation.run import evaluate_prompts, known_vllm_issue
 from draftflow.extraction.samples import train_set
 from draftflow.paths import EXPORT_WEIGHTS
 from draftflow.plan import Plan
@@ -76,28 +78,24 @@ def test_multilayer_dflash_drafts_in_cpu_vllm_as_the_simulator(train_dir, smollm
         ids, mask = train.tokens(sid)
         prompts.append([int(t) for t in ids[: int(mask.argmax())]])
 
-    def evaluate(env: dict):
-        fixes = installed_fixes(vllm_servers.python, env)
-        issue = known_vllm_issue(folder, "cpu", fixes)
-        return fixes, evaluate_prompts(
-            folder,
-            prompts,
-            target=str(smollm2_dir),
-            max_new_tokens=48,
-            stop_ids=[EOS],
-            min_acceptance_length=1.0,
-            agreement_tolerance=0.001,
-            in_vllm=True,
-            measure_baseline=False,
-            server_factory=reusing_factory(vllm_servers.get, max_model_len=1024, env=env),
-            target_info=plan.target,
-            fingerprint=plan.fingerprint,
-            meta={"known_issue": issue} if issue else None,
-        )
-
-    fixes, run = evaluate({})
+    fixes = installed_fixes(vllm_servers.python)
     assert DFLASH_CPU_K_NORM in fixes, (
-        f"{PLUGIN_NAME} is not installed in {vllm_servers.python}: run make bootstrap"
+        f"{PLUGIN_NAME} is not installed in {vllm_servers.python}: make bootstrap"
+    )
+    assert known_vllm_issue(folder, "cpu", fixes) is None
+    run = evaluate_prompts(
+        folder,
+        prompts,
+        target=str(smollm2_dir),
+        max_new_tokens=48,
+        stop_ids=[EOS],
+        min_acceptance_length=1.0,
+        agreement_tolerance=0.001,
+        in_vllm=True,
+        measure_baseline=False,
+        server_factory=reusing_factory(vllm_servers.get, max_model_len=1024),
+        target_info=plan.target,
+        fingerprint=plan.fingerprint,
     )
     offline, served = run.offline.report, run.vllm.report
     print(
@@ -111,8 +109,8 @@ def test_multilayer_dflash_drafts_in_cpu_vllm_as_the_simulator(train_dir, smollm
     server_log = Path(vllm_servers.current[1].spec.log_path).read_text()
     assert "draftflow-vllm-cpu: DFlash context k_norm runs per layer on CPU" in server_log
 
-    # The same checkpoint on a server that does not load the plugin: the CPU build's defect.
-    with pytest.raises(AgreementError, match="known defect: vLLM 0.32's CPU build drafts wrongly") as err:
-        evaluate(NO_PLUGIN)
-    print(f"without the plugin: {str(err.value).splitlines()[0]}")
-    assert known_vllm_issue(folder, "cpu", installed_fixes(vllm_servers.python, NO_PLUGIN))
+    # A server that does not load the plugin is named as having the defect before anything runs.
+    issue = known_vllm_issue(folder, "cpu", installed_fixes(vllm_servers.python, NO_PLUGIN))
+    assert issue and issue.startswith(
+        "known defect: vLLM 0.32's CPU build drafts wrongly with a 2-layer DFlash"
+    )
