@@ -8,7 +8,6 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from blocks.infrastructure import CheckpointDestination
 from draftflow.evaluation.run import evaluate_checkpoint
 from draftflow.paths import RunLayout, join
-from draftflow.process_env import storage_options_from_env
 from draftflow.publish import Destination
 from draftflow.publish import publish as publish_checkpoint
 from draftflow.remote import is_remote, open_url
@@ -68,7 +67,7 @@ def publish(
     store's options); a refusal fails the flow. A run folder on s3:// is read with the store's options."""
     infra = infra_mod.resolve(recipe, overrides, store_block, None)
     plan = infra_mod.plan_for(recipe, infra, destination_block)
-    options = infra.storage_options or storage_options_from_env()
+    options = infra.storage_options  # the store block's, else $DRAFTFLOW_STORAGE_OPTIONS
     url = plan.recipe.publish.destination
     destination = (
         CheckpointDestination.load(destination_block).destination()

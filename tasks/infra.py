@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from blocks.infrastructure import HiddenStateStore, VLLMServer
 from draftflow.plan import Plan
-from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
+from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV, storage_options_from_env
 from draftflow.recipe.schema import VLLMLaunchSection
 
 
@@ -31,6 +31,8 @@ def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_blo
         url, options = HiddenStateStore.load(store_block).settings()
         infra.overrides.append(f"extraction.store={url}")
         infra.storage_options = options
+    else:  # as every core command: $DRAFTFLOW_STORAGE_OPTIONS (a run without blocks, `draftflow pipeline`)
+        infra.storage_options = storage_options_from_env()
     if vllm_block:
         block = VLLMServer.load(vllm_block)
         settings = block.settings()

@@ -38,7 +38,9 @@ from draftflow.models import algorithm_class, speculators
 from draftflow.paths import RunLayout
 from draftflow.plan import Plan
 from draftflow.process_env import storage_options_from_env
+from draftflow.recipe.load import expand
 from draftflow.remote import is_remote, local_copy, url_to_fs
+from draftflow.vllm.plugin import installed_fixes
 
 
 class AgreementError(RuntimeError):
@@ -169,14 +171,25 @@ def evaluate_prompts(
     return run
 
 
-def known_vllm_issue(checkpoint_dir: str | Path, device: str) -> str | None:
-    """A defect of the vLLM build that makes its acceptance differ from the simulator's."""
+def known_vllm_issue(
+    checkpoint_dir: str | Path, device: str, fixes: frozenset[str] = frozenset()
+) -> str | None:
+    """A defect of the vLLM build that makes its acceptance differ from the simulator's, unless
+    ``fixes`` (:func:`draftflow.vllm.plugin.installed_fixes` of the serving virtualenv) remove it."""
     try:
         config = speculators.read_config(checkpoint_dir)
         kind = algorithm_class(speculators.model_type(config))
     except (OSError, ValueError):  # the contract check reports an unreadable folder or an unknown kind
         return None
-    return kind.known_serving_issue(config, device)
+    return kind.known_serving_issue(config, device, fixes)
+
+
+def serving_fixes(launch) -> frozenset[str]:
+    """What draftflow's vLLM plugin fixes in the virtualenv ``launch`` (vllm.launch) starts servers from.
+    Only CPU builds have a defect it fixes: a GPU launch is not probed."""
+    if launch is None or launch.device != "cpu":
+        return frozenset()
+    return installed_fixes(expand(launch.python), launch.env)
 
 
 def load_eval_prompts(
@@ -287,13 +300,16 @@ def evaluate_checkpoint(
     }
     if categories:
         meta["prompt_categories"] = categories
+    fixes = serving_fixes(launch) if in_vllm else frozenset()
     issue = (
-        known_vllm_issue(local_copy(checkpoint_dir, storage_options), launch.device)
+        known_vllm_issue(local_copy(checkpoint_dir, storage_options), launch.device, fixes)
         if in_vllm and launch is not None
         else None
     )
     if issue:
         meta["known_issue"] = issue
+    if fixes:  # the report says which vLLM defects were fixed while it was measured
+        meta["vllm_fixes"] = sorted(fixes)
     run = evaluate_prompts(
         checkpoint_dir,
         prompts,

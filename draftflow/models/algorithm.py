@@ -184,6 +184,9 @@ class DrafterAlgorithm(ABC):
         return []
 
     @classmethod
-    def known_serving_issue(cls, config: dict, device: str) -> str | None:
-        """A defect of the vLLM build serving this checkpoint that changes its acceptance."""
+    def known_serving_issue(
+        cls, config: dict, device: str, fixes: frozenset[str] = frozenset()
+    ) -> str | None:
+        """A defect of the vLLM build serving this checkpoint that changes its acceptance and that
+        none of ``fixes`` (the defects the vLLM virtualenv's draftflow plugin fixes) removes."""
         return None

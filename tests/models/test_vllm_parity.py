@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -90,11 +89,17 @@ def test_proposals_match_vllm(name, synthetic, vllm_python, tmp_path):
     if case["kind"] == "dflash":
         assert ref["architecture"] == "DFlashDraftModel" and ref["mask_token_id"] == 7
         drafts, logits = model.propose(aux, next_token, return_logits=True)
-        if case["layers"] > 1 and not ref["grouped_k_norm_ok"]:
-            print(
-                "vLLM CPU grouped k_norm kernel still applies layer 0's weights to all layers",
-                file=sys.stderr,
-            )
+        # vLLM's own context-key normalisation (the draftflow vLLM plugin's, on this CPU build)
+        # must equal each layer's k_norm: the stock CPU kernel applies layer 0's to every layer.
+        hint = (
+            ""
+            if ref["grouped_k_norm_ok"]
+            else " (vLLM's DFlash k_norm is not per layer: no draftflow vLLM plugin?)"
+        )
+        torch.testing.assert_close(
+            logits[0], torch.tensor(ref["logits"]), rtol=0, atol=1e-4, msg=lambda m: m + hint
+        )
+        assert ref["grouped_k_norm_ok"]
     else:
         assert ref["architecture"] == "Eagle3LlamaForCausalLM"
         drafts, logits = model.propose(aux, batch.input_ids[:1, :t], next_token, 4, return_logits=True)

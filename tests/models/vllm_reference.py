@@ -8,11 +8,12 @@ weights with vLLM's loader, and runs one proposal the way vLLM's proposers do. O
 paged-attention kernel is replaced, by an explicit softmax over what vLLM's KV cache holds
 at that point (DFlash: the precomputed context K/V + the block, non-causal; Eagle3: every
 key at a position <= the query's). Everything else (fc, norms, q/k norm, RoPE, context
-K/V precompute, residual wiring, d2t mapping) is vLLM's code — with one exception: the
-CPU build's grouped ``rms_norm`` over the stacked per-layer ``k_norm`` weights applies
-layer 0's weights to every layer (known defect, see speculators-format.md; GPU builds are
-correct), so ``_normalize_context_k`` is replaced by a per-layer loop over each layer's own
-``k_norm``. The output reports whether the stock kernel agrees (``grouped_k_norm_ok``).
+K/V precompute, residual wiring, d2t mapping) is vLLM's code, including the normalisation of
+the context keys, which on this CPU build is the draftflow vLLM plugin's (plugins/draftflow_vllm_cpu,
+loaded by vLLM's engine config as in a server): the stock CPU kernel applies layer 0's ``k_norm``
+to every layer (known defect, see speculators-format.md), so without the plugin a multi-layer
+DFlash drafts differently here. The output also reports whether vLLM's method equals a per-layer
+loop over each layer's own ``k_norm`` (``grouped_k_norm_ok``).
 
 Usage: python vllm_reference.py DRAFTER_DIR INPUTS.pt OUT.json
 INPUTS.pt: {"aux": [T, n*H] float32, "input_ids": [T], "next_token": int, "num_tokens": int}
@@ -112,7 +113,6 @@ def run_dflash(model, aux, ids, inputs, nh, nkv, hd, scale):
 
     probe = torch.randn(len(model.model.layers), t, nkv, hd)
     grouped_ok = torch.allclose(stock(probe), per_layer_k_norm(probe), atol=1e-5)
-    model.model._normalize_context_k = per_layer_k_norm
     model.model.precompute_and_store_context_kv(ctx, positions, torch.zeros(t, dtype=torch.long))
     b = inputs["num_tokens"] + 1
     block = torch.full((b,), model.model.mask_token_id, dtype=torch.long)

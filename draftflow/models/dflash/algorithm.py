@@ -14,6 +14,7 @@ from draftflow.models.dflash.config import resolve_mask_token_id
 from draftflow.models.dflash.model import DFlashDrafter, dflash_loss
 from draftflow.models.losses import LossOutput
 from draftflow.models.vocab import DraftVocab
+from draftflow.vllm.plugin import DFLASH_CPU_K_NORM
 
 
 def recipe_mask_token(recipe, target_model: str) -> int:
@@ -124,12 +125,15 @@ class DFlash(DrafterAlgorithm):
         ]
 
     @classmethod
-    def known_serving_issue(cls, config: dict, device: str) -> str | None:
+    def known_serving_issue(
+        cls, config: dict, device: str, fixes: frozenset[str] = frozenset()
+    ) -> str | None:
         layers = int((config.get("transformer_layer_config") or {}).get("num_hidden_layers", 1))
-        if device == "cpu" and layers > 1:
+        if device == "cpu" and layers > 1 and DFLASH_CPU_K_NORM not in fixes:
             return (
                 f"known defect: vLLM 0.32's CPU build drafts wrongly with a {layers}-layer DFlash "
                 "(its rms_norm kernel applies layer 0's k_norm weights to every layer); output stays "
-                "lossless, acceptance drops"
+                "lossless, acceptance drops. Fixed by draftflow's vLLM plugin, which this vLLM "
+                "virtualenv does not load: scripts/bootstrap.sh installs plugins/draftflow_vllm_cpu"
             )
         return None
