@@ -326,6 +326,7 @@ def evaluate_checkpoint(
         fingerprint=plan.fingerprint,
         strict_contract=strict_contract,
         speculative_config=speculative_config,
+        measure_baseline=ev.measure_speedup,
         meta=meta,
         storage_options=storage_options,
     )

@@ -344,6 +344,11 @@ class EvaluationSection(Section):
         0.10, gt=0, lt=1, description="Allowed relative gap between offline and vLLM acceptance."
     )
     in_vllm: bool = True
+    measure_speedup: bool = Field(
+        True,
+        description="With in_vllm: also serve the target alone and report the decode speed-up (one more "
+        "server start); false skips it.",
+    )
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
         "held_out",
         description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
