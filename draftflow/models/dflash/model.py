@@ -42,7 +42,7 @@ from draftflow.models.losses import (
     LossOutput,
     dflash_position_weights,
     draft_metrics,
-    soft_cross_entropy_gathered,
+    head_soft_cross_entropy,
     target_probs,
     token_cross_entropy,
     weighted_mean,
@@ -369,27 +369,30 @@ def dflash_loss(
     # The head runs only on labelled slots (1..B-1; the rest carry weight 0), gathered into
     # one contiguous matrix: on the strided slice, which requires grad, the head dispatched
     # to a batched matmul that copied the weight per anchor (4x slower).
-    logits = model.compute_logits(hidden[labelled])  # [M, Vd]
+    selected = hidden[labelled]  # [M, H]
     weights = weights[labelled]
 
     if loss == "tokens":
+        logits = model.compute_logits(selected)  # [M, Vd]
         labels_ce = labels[labelled]
-        per_item = token_cross_entropy(logits, labels_ce)
-        weights = weights * (labels_ce >= 0)
+        value = weighted_mean(token_cross_entropy(logits, labels_ce), weights * (labels_ce >= 0))
+        argmax = logits.argmax(-1)
     elif loss == "target_logits":
         if target_head is None or batch.last_hidden is None:
             raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
         # The target predicts token i from its state at i-1. Overlapping blocks share target
         # positions: the head runs once per distinct position (<= T, not A·(B-1) rows).
         probs, rows = target_probs(target_head, batch.last_hidden, (tgt - 1).flatten(1), labelled.flatten(1))
-        per_item = soft_cross_entropy_gathered(logits, probs, rows.view_as(tgt)[labelled])
+        value, argmax = head_soft_cross_entropy(
+            selected, model.lm_head, probs, rows.view_as(tgt)[labelled], weights
+        )
     else:
         raise ValueError(f"unknown loss {loss!r}")
 
     k = b - 1
     pred = torch.full_like(labels, -1)
-    pred[labelled] = logits.argmax(-1)  # unlabelled slots never count as hits
+    pred[labelled] = argmax  # unlabelled slots never count as hits
     metrics = draft_metrics(
         pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k), valid.reshape(-1)
     )
-    return LossOutput(weighted_mean(per_item, weights), metrics)
+    return LossOutput(value, metrics)
