@@ -29,6 +29,11 @@ What differs between the two steps (same result, different work):
   sum of the decay weights: the same gradient up to one scale factor per step;
 - Eagle3: the reference also scores the one position per step whose predicted token lies
   past the end of the sequence (the target's distribution exists, the data token does not).
+- Skipped work whose result nothing reads (same loss, same gradients): draftflow's last
+  DFlash layer computes no query, MLP or norm at the anchor slot (still a key of its block);
+  its Eagle3 unroll computes queries and TTT chains only at indices labelled at some step
+  (the prompt's indices give their step-0 keys only); its draft head is fused into the
+  soft cross-entropy (chunked, no full logits kept).
 """
 
 from __future__ import annotations

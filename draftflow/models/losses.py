@@ -104,6 +104,89 @@ def soft_cross_entropy_gathered(
     return out.view(index.shape)
 
 
+class _HeadSoftCrossEntropy(torch.autograd.Function):
+    """``sum_n r[n] · (-sum_v p[index[n], v] log_softmax(hidden[n] @ weight.T)_v)`` and the
+    argmax of each row's logits, the head fused into the loss.
+
+    Per chunk of rows: logits into one reused buffer, their log-sum-exp, the dot with the
+    target rows, then at once the gradient ``r[n] · (softmax - p)`` in the same buffer and its
+    product with the head (and the head's own gradient when it trains). Backward only scales
+    those by the incoming scalar gradient. No [rows, vocab] tensor outlives its chunk: neither
+    logits nor their gradient is kept for backward, and each chunk's buffer stays hot in cache
+    between the matmul and the softmax passes (fp32, no autocast: see :func:`head_soft_cross_entropy`).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, probs, index, row_weights, chunk):
+        n = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        pred = torch.empty(n, dtype=torch.long, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = min(chunk, n)
+        buf = hidden.new_empty(rows, weight.shape[0])
+        pbuf = probs.new_empty(rows, probs.shape[1])
+        for s in range(0, n, chunk):
+            x = hidden[s : s + chunk]
+            m = x.shape[0]
+            z = torch.mm(x, weight.t(), out=buf[:m])
+            torch.argmax(z, -1, out=pred[s : s + m])
+            p = torch.index_select(probs, 0, index[s : s + m], out=pbuf[:m])
+            r = row_weights[s : s + m]
+            lse = torch.logsumexp(z, -1)
+            total += ((lse - torch.linalg.vecdot(z, p)) * r).sum()
+            z.sub_(lse[:, None]).exp_().sub_(p).mul_(r[:, None])  # r · (softmax - p)
+            torch.mm(z, weight, out=grad_hidden[s : s + m])
+            if grad_weight is not None:
+                grad_weight.addmm_(z.t(), x)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(pred)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_pred):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        gw = grad_weight * grad_total if grad_weight is not None else None
+        return grad_hidden * grad_total, gw, None, None, None, None
+
+
+def head_soft_cross_entropy(
+    hidden: Tensor,
+    head: torch.nn.Linear,
+    target_probs: Tensor,
+    index: Tensor,
+    weights: Tensor,
+    chunk_rows: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """(weighted mean over rows of the soft CE of ``head(hidden)`` [N, V] to the rows
+    ``target_probs[index]``, argmax of each row's logits [N]).
+
+    The same values and gradients as ``weighted_mean(soft_cross_entropy_gathered(head(hidden),
+    target_probs, index), weights)`` and ``head(hidden).argmax(-1)``. fp32 without autocast
+    (the CPU trainer) runs the head fused into the loss (:class:`_HeadSoftCrossEntropy`);
+    anything else takes that unfused formula."""
+    fused = (
+        hidden.dtype == head.weight.dtype == target_probs.dtype == torch.float32
+        and head.bias is None
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
+    if not fused:
+        logits = head(hidden)
+        per_item = soft_cross_entropy_gathered(logits, target_probs, index)
+        return weighted_mean(per_item, weights), logits.argmax(-1)
+    total = weights.sum()
+    scale = weights / total if total > 0 else torch.zeros_like(weights)
+    loss, pred = _HeadSoftCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        target_probs.detach(),
+        index.reshape(-1),
+        scale.reshape(-1).float(),
+        chunk_rows,
+    )
+    return loss, pred.view(index.shape)
+
+
 def target_probs(
     target_head, last_hidden: Tensor, index: Tensor, keep: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:

@@ -166,3 +166,33 @@ def test_ttt_chunked_sdpa_path_equals_the_log_sum_exp_reference_with_gradient():
         for a, b in zip(fast_grads, ref_grads):
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["dense", "flex"])
+def test_ttt_on_some_rows_equals_the_full_unroll_at_those_rows(impl):
+    """forward_ttt(rows=...) (queries and chains at some indices, step-0 keys at all) gives
+    the full unroll's outputs at those indices, and on the dense path the same gradients."""
+    torch.manual_seed(2)
+    batch = packed_example()
+    model = Eagle3Drafter(tiny_config())
+    model.attn_impl = impl
+    start, _, pos = batch.documents()
+    rows = torch.tensor([2, 3, 4, 9, 10, 11, 12, 16, 18, 21])
+    weights = [torch.randn(2, rows.numel(), 32) for _ in range(STEPS)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    with warnings.catch_warnings(), torch.set_grad_enabled(impl == "dense"):  # flex: no CPU backward
+        warnings.simplefilter("ignore")
+        for some in (None, rows):
+            outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, start, STEPS, some)
+            outs = [o if some is not None else o[:, rows] for o in outs]
+            loss = sum((o * w).sum() for o, w in zip(outs, weights))
+            grads = torch.autograd.grad(loss, params, allow_unused=True) if impl == "dense" else ()
+            results.append(([o.detach() for o in outs], grads))
+    (full, g_full), (some, g_some) = results
+    for a, b in zip(some, full):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for a, b in zip(g_some, g_full):
+        assert (a is None) == (b is None)
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -17,8 +17,10 @@ from draftflow.models.eagle3 import Eagle3Drafter
 from draftflow.models.eagle3.model import eagle3_loss, step_targets
 from draftflow.models.losses import (
     dflash_position_weights,
+    head_soft_cross_entropy,
     soft_cross_entropy,
     soft_cross_entropy_gathered,
+    weighted_mean,
 )
 from draftflow.models.target_weights import TargetHead
 
@@ -144,3 +146,32 @@ def test_gathered_soft_cross_entropy_equals_the_plain_one_with_gradient():
     (plain * weights).sum().backward()
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_grad, logits.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_head_fused_soft_cross_entropy_equals_the_plain_one_with_gradient():
+    """The head fused into the loss (chunked, gradients formed in forward) against head →
+    soft CE → weighted mean: value, argmax, and the gradient of the rows and of a trained head,
+    across chunks; all-zero weights give a zero loss and zero gradients."""
+    g = torch.Generator().manual_seed(0)
+    target_logits = 3 * torch.randn(7, 50, generator=g)
+    index = torch.randint(0, 7, (11,), generator=g)
+    for weights in (torch.rand(11, generator=g), torch.zeros(11)):
+        results = []
+        for fused in (True, False):
+            head = torch.nn.Linear(16, 50, bias=False)
+            with torch.no_grad():
+                head.weight.copy_(torch.randn(50, 16, generator=torch.Generator().manual_seed(1)))
+            hidden = torch.randn(11, 16, generator=torch.Generator().manual_seed(2)).requires_grad_()
+            if fused:
+                loss, pred = head_soft_cross_entropy(
+                    hidden, head, torch.softmax(target_logits, -1), index, weights, chunk_rows=4
+                )
+            else:
+                logits = head(hidden)
+                loss = weighted_mean(soft_cross_entropy(logits, target_logits[index]), weights)
+                pred = logits.argmax(-1)
+            (3.0 * loss).backward()
+            results.append((loss.detach(), pred, hidden.grad, head.weight.grad))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert float(results[0][0]) == 0.0 and not results[0][2].any()

@@ -22,7 +22,6 @@ Implementations, same result (tested against a naive per-query loop):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from draftflow.models.common import (
@@ -32,24 +31,26 @@ from draftflow.models.common import (
     merge_attention,
     range_attention_dense,
 )
+from draftflow.models.window_attention import grouped_window_attention
 
 
 def block_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Non-causal attention inside each block.
 
-    q: [Bt, A, B, nh, hd]; k, v: [Bt, A, B, nkv, hd] → out [Bt, A, B, nh, hd], lse [Bt, A, B, nh].
+    q: [Bt, A, Bq, nh, hd] (Bq <= B: the block's last Bq slots); k, v: [Bt, A, B, nkv, hd]
+    → out [Bt, A, Bq, nh, hd], lse [Bt, A, Bq, nh].
     """
-    bt, a, b, nh, hd = q.shape
-    nkv = k.shape[-2]
-    visible = torch.ones(1, b, b, dtype=torch.bool, device=q.device)
+    bt, a, bq, nh, hd = q.shape
+    b, nkv = k.shape[2], k.shape[-2]
+    visible = torch.ones(1, bq, b, dtype=torch.bool, device=q.device)
     out, lse = dense_attention_lse(
-        q.reshape(bt * a, b, nh, hd),
+        q.reshape(bt * a, bq, nh, hd),
         k.reshape(bt * a, b, nkv, hd),
         v.reshape(bt * a, b, nkv, hd),
         visible,
         scale,
     )
-    return out.view(bt, a, b, nh, hd), lse.view(bt, a, b, nh)
+    return out.view(bt, a, bq, nh, hd), lse.view(bt, a, bq, nh)
 
 
 def dflash_attention(
@@ -63,9 +64,10 @@ def dflash_attention(
     scale: float,
     impl: AttentionImpl = "dense",
 ) -> Tensor:
-    """q: [Bt, A, B, nh, hd]; k, v: [Bt, A, B, nkv, hd] (the blocks' own keys);
+    """q: [Bt, A, Bq, nh, hd]; k, v: [Bt, A, B, nkv, hd] (the blocks' own keys);
     ctx_k, ctx_v: [Bt, T, nkv, hd]; lo, hi: [Bt, A] context index range of each block.
-    Returns [Bt, A, B, nh, hd]."""
+    Returns [Bt, A, Bq, nh, hd]. Bq < B: queries of only some slots (the last layer needs
+    no output at the anchor slot), every slot still a key."""
     if impl == "flex":
         return dflash_attention_flex(q, k, v, ctx_k, ctx_v, lo, hi, scale)
     return dflash_attention_chunked(q, k, v, ctx_k, ctx_v, lo, hi, scale)
@@ -82,19 +84,19 @@ def dflash_attention_merged(
     scale: float,
 ) -> Tensor:
     """Reference formulation: block→context and in-block attention merged by log-sum-exp."""
-    bt, a, b, nh, hd = q.shape
-    # (a) block -> context: A·B queries, each block's slots share its range [lo, hi)
+    bt, a, bq, nh, hd = q.shape
+    # (a) block -> context: A·Bq queries, each block's slots share its range [lo, hi)
     out_c, lse_c = range_attention_dense(
-        q.reshape(bt, a * b, nh, hd),
+        q.reshape(bt, a * bq, nh, hd),
         ctx_k,
         ctx_v,
-        lo.repeat_interleave(b, 1),
-        hi.repeat_interleave(b, 1),
+        lo.repeat_interleave(bq, 1),
+        hi.repeat_interleave(bq, 1),
         scale,
     )
     # (b) in-block
     out_b, lse_b = block_attention(q, k, v, scale)
-    return merge_attention(out_c.view(bt, a, b, nh, hd), lse_c.view(bt, a, b, nh), out_b, lse_b)
+    return merge_attention(out_c.view(bt, a, bq, nh, hd), lse_c.view(bt, a, bq, nh), out_b, lse_b)
 
 
 def dflash_attention_chunked(
@@ -106,59 +108,48 @@ def dflash_attention_chunked(
     lo: Tensor,
     hi: Tensor,
     scale: float,
-    max_chunk_elems: int = 1 << 24,
     max_chunk_queries: int = 128,
 ) -> Tensor:
-    """The CPU path: fused SDPA per chunk of anchors over [context window ; the chunk's blocks].
+    """The CPU path: one fused flash-attention call per chunk of anchors over [context window ;
+    the chunk's blocks] (:func:`~draftflow.models.window_attention.grouped_window_attention`,
+    groups = blocks). A chunk's mask is [c·B, W + c·B] (its blocks see their context range and,
+    block-diagonally, themselves), so the total cost is linear in the number of anchors for a
+    fixed chunk size and no [A·B, T + A·B] tensor exists. One softmax over both key sets: no
+    log-sum-exp merge. Every query sees at least its own block, so no row is empty.
 
-    A chunk's mask is [c·B, W + c·B] (its blocks see their context range and, block-diagonally,
-    themselves), so the total cost is linear in the number of anchors for a fixed chunk size
-    and no [A·B, T + A·B] tensor exists. SDPA's fused kernel (with its own backward) is about
-    10x faster on CPU than scoring in Python, and needs no log-sum-exp merge since both key
-    sets are in one softmax. Every query sees at least its own block, so no row is empty.
-
-    Chunks are small (128 queries by default) because SDPA on CPU scores every key it is
+    Chunks are small (128 queries by default) because the kernel scores every key it is
     given: with sorted anchors a chunk's window ends at its last anchor, so small chunks
     score about half the context of a document on average, and a chunk's block keys (its
     own n·B, block-diagonal) stay few. Measured per step at 1k tokens: 2x less attention
     time than 1,024-query chunks at 64 and at 512 anchors.
     """
-    bt, a, b, nh, hd = q.shape
-    t, nkv = ctx_k.shape[1], ctx_k.shape[2]
-    per_anchor = b * (t + b) * nh * bt
-    c = max(1, min(a, max_chunk_elems // max(1, per_anchor), max(1, max_chunk_queries // b)))
-    outs = []
-    for s in range(0, a, c):
-        e = min(a, s + c)
-        n = e - s
-        lo_c, hi_c = lo[:, s:e], hi[:, s:e]
-        k0 = int(lo_c.min().clamp(0, t))
-        k1 = max(k0, int(hi_c.max().clamp(0, t)))
-        keys = torch.cat([ctx_k[:, k0:k1], k[:, s:e].reshape(bt, n * b, nkv, hd)], 1)
-        values = torch.cat([ctx_v[:, k0:k1], v[:, s:e].reshape(bt, n * b, nkv, hd)], 1)
-        idx = torch.arange(k1 - k0, device=q.device)
-        ctx_visible = (idx >= (lo_c - k0)[..., None]) & (idx < (hi_c - k0)[..., None])  # [Bt, n, W]
-        block = torch.arange(n * b, device=q.device) // b
-        mask = torch.cat(
-            [ctx_visible.repeat_interleave(b, 1), (block[:, None] == block[None, :]).expand(bt, -1, -1)], -1
-        )  # [Bt, n·B, W + n·B]
-        out = F.scaled_dot_product_attention(
-            q[:, s:e].reshape(bt, n * b, nh, hd).transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None],
-            scale=scale,
-            enable_gqa=nh != nkv,
-        )
-        outs.append(out.transpose(1, 2).reshape(bt, n, b, nh, hd))
-    return torch.cat(outs, 1)
+    bt, a, bq, nh, hd = q.shape
+    b, nkv = k.shape[2], ctx_k.shape[2]
+    out = grouped_window_attention(
+        q.reshape(bt, a * bq, nh, hd),
+        ctx_k,
+        ctx_v,
+        lo.repeat_interleave(bq, 1),
+        hi.repeat_interleave(bq, 1),
+        k.reshape(bt, a * b, nkv, hd),
+        v.reshape(bt, a * b, nkv, hd),
+        bq,
+        b,
+        scale,
+        max_chunk_queries,
+    )
+    return out.view(bt, a, bq, nh, hd)
 
 
-def dflash_mask_mod(lo: Tensor, hi: Tensor, block_size: int, context_len: int):
-    """flex mask over keys [context (T) ; block 0 ; block 1 ; ...] for queries [block 0 ; ...]."""
+def dflash_mask_mod(
+    lo: Tensor, hi: Tensor, block_size: int, context_len: int, query_slots: int | None = None
+):
+    """flex mask over keys [context (T) ; block 0 ; block 1 ; ...] for queries [block 0 ; ...]
+    (``query_slots`` queries per block, default all ``block_size``)."""
+    per_q = query_slots or block_size
 
     def mask_mod(b, h, qi, ki):
-        blk = qi // block_size
+        blk = qi // per_q
         in_ctx = (ki < context_len) & (ki >= lo[b, blk]) & (ki < hi[b, blk])
         in_blk = (ki >= context_len) & ((ki - context_len) // block_size == blk)
         return in_ctx | in_blk
@@ -171,19 +162,19 @@ def dflash_attention_flex(
 ) -> Tensor:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    bt, a, b, nh, hd = q.shape
-    t, nkv = ctx_k.shape[1], ctx_k.shape[2]
-    qf = q.reshape(bt, a * b, nh, hd).transpose(1, 2)  # [Bt, nh, A·B, hd]
+    bt, a, bq, nh, hd = q.shape
+    b, t, nkv = k.shape[2], ctx_k.shape[1], ctx_k.shape[2]
+    qf = q.reshape(bt, a * bq, nh, hd).transpose(1, 2)  # [Bt, nh, A·Bq, hd]
     kf = torch.cat([ctx_k, k.reshape(bt, a * b, nkv, hd)], 1).transpose(1, 2)  # [Bt, nkv, T+A·B, hd]
     vf = torch.cat([ctx_v, v.reshape(bt, a * b, nkv, hd)], 1).transpose(1, 2)
     mask = create_block_mask(
-        dflash_mask_mod(lo, hi, b, t),
+        dflash_mask_mod(lo, hi, b, t, bq),
         bt,
         None,
-        a * b,
+        a * bq,
         t + a * b,
         device=q.device,
         _compile=q.device.type != "cpu",
     )
     out = flex_attention_fn(q.device)(qf, kf, vf, block_mask=mask, scale=scale, enable_gqa=nh != nkv)
-    return out.transpose(1, 2).reshape(bt, a, b, nh, hd)
+    return out.transpose(1, 2).reshape(bt, a, bq, nh, hd)

@@ -42,7 +42,7 @@ from draftflow.models.losses import (
     LossOutput,
     dflash_position_weights,
     draft_metrics,
-    soft_cross_entropy_gathered,
+    head_soft_cross_entropy,
     target_probs,
     token_cross_entropy,
     weighted_mean,
@@ -78,10 +78,16 @@ class DFlashAttention(nn.Module):
         hi: Tensor,
         rope: RotaryEmbedding,
         impl: str,
+        first_query: int = 0,
     ) -> Tensor:
-        # x [Bt, A, B, H]; ctx [Bt, T, H]
-        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), pos)  # [Bt, A, B, nh, hd]
+        """x [Bt, A, B, H]; ctx [Bt, T, H] → [Bt, A, B - first_query, H]: every slot is a key,
+        only slots first_query.. are queries."""
         k, v = self.project_kv(x, pos, rope)  # [Bt, A, B, nkv, hd]
+        if first_query:
+            # a contiguous copy: a strided slice that requires grad sends q_proj to a batched
+            # matmul copying the weight per anchor
+            x, pos = x[:, :, first_query:].contiguous(), pos[:, :, first_query:]
+        q = rope(self.q_norm(self.q_proj(x).unflatten(-1, (self.nh, self.hd))), pos)  # [Bt, A, Bq, nh, hd]
         ctx_k, ctx_v = self.project_kv(ctx, ctx_pos, rope)  # [Bt, T, nkv, hd]
         out = dflash_attention(q, k, v, ctx_k, ctx_v, lo, hi, attention_scale(self.hd), impl)
         return self.o_proj(out.flatten(-2))
@@ -95,8 +101,10 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, pos, ctx, ctx_pos, lo, hi, rope, impl):
-        x = x + self.self_attn(self.input_layernorm(x), pos, ctx, ctx_pos, lo, hi, rope, impl)
+    def forward(self, x, pos, ctx, ctx_pos, lo, hi, rope, impl, first_query: int = 0):
+        """[Bt, A, B, H] → [Bt, A, B - first_query, H] (slots before first_query only as keys)."""
+        attn = self.self_attn(self.input_layernorm(x), pos, ctx, ctx_pos, lo, hi, rope, impl, first_query)
+        x = x[:, :, first_query:] + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -195,14 +203,19 @@ class DFlashDrafter(nn.Module):
         context_pos: Tensor,
         lo: Tensor,
         hi: Tensor,
+        drafting_slots_only: bool = False,
     ) -> Tensor:
         """block_ids/block_pos [Bt, A, B]; context [Bt, T, H] (fused); context_pos [Bt, T];
-        lo/hi [Bt, A] context range of each block. Returns normed hidden [Bt, A, B, H]."""
+        lo/hi [Bt, A] context range of each block. Returns normed hidden [Bt, A, B, H], or
+        with ``drafting_slots_only`` that of slots 1..B-1 [Bt, A, B-1, H], the same values:
+        the last layer then computes no query, MLP or norm for the anchor slot, whose output
+        no head reads (it is still a key of its block)."""
         x = self.embed_tokens(block_ids)
         impl = self._impl(x.device)
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
-        for layer in self.layers:
-            args = (x, block_pos, context, context_pos, lo, hi, self.rotary, impl)
+        for i, layer in enumerate(self.layers):
+            first = int(drafting_slots_only and i == len(self.layers) - 1)
+            args = (x, block_pos, context, context_pos, lo, hi, self.rotary, impl, first)
             x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.norm(x)
 
@@ -247,8 +260,8 @@ class DFlashDrafter(nn.Module):
         ids[:, 0, 0] = anchor_tokens
         block_pos = pos[:, -1:, None] + 1 + torch.arange(b, device=device)  # [Bt, 1, B]
         lo = torch.zeros(bt, 1, dtype=torch.long, device=device)
-        hidden = self(ids, block_pos, ctx, pos, lo, lo + t)
-        logits = self.compute_logits(hidden[:, 0, 1:])
+        hidden = self(ids, block_pos, ctx, pos, lo, lo + t, drafting_slots_only=True)
+        logits = self.compute_logits(hidden[:, 0])
         drafts = self.vocab.to_target(logits.argmax(-1))
         return (drafts, logits) if return_logits else drafts
 
@@ -271,8 +284,8 @@ class DFlashDrafter(nn.Module):
             block_ids, block_pos, lo, hi = self.make_blocks(
                 token_ids[None], pos, torch.zeros_like(pos), a, valid
             )
-            states = self(block_ids, block_pos, context, pos, lo, hi)
-            out.append(self.vocab.to_target(self.compute_logits(states[0, :, 1:]).argmax(-1)))
+            states = self(block_ids, block_pos, context, pos, lo, hi, drafting_slots_only=True)
+            out.append(self.vocab.to_target(self.compute_logits(states[0]).argmax(-1)))
         if not out:
             return torch.zeros(0, self.config.block_size - 1, dtype=torch.long, device=token_ids.device)
         return torch.cat(out)
@@ -347,34 +360,39 @@ def dflash_loss(
         anchors = sample_anchors(batch.loss_mask, doc_start, doc_end, b, max_anchors, generator)
     anchor_idx, valid = anchors
     block_ids, block_pos, lo, hi = model.make_blocks(batch.input_ids, pos, doc_start, anchor_idx, valid)
-    hidden = model(block_ids, block_pos, model.fuse_context(batch.hidden_states), pos, lo, hi)
+    hidden = model(
+        block_ids, block_pos, model.fuse_context(batch.hidden_states), pos, lo, hi, drafting_slots_only=True
+    )  # [Bt, A, B-1, H]
     tgt, labels, labelled = block_targets(batch.input_ids, batch.loss_mask, doc_end, anchor_idx, valid, b)
     labels = model.vocab.to_draft(labels)
     weights = dflash_position_weights(b, gamma)[1:].to(hidden.device) * labelled
     # The head runs only on labelled slots (1..B-1; the rest carry weight 0), gathered into
     # one contiguous matrix: on the strided slice, which requires grad, the head dispatched
     # to a batched matmul that copied the weight per anchor (4x slower).
-    logits = model.compute_logits(hidden[:, :, 1:][labelled])  # [M, Vd]
+    selected = hidden[labelled]  # [M, H]
     weights = weights[labelled]
 
     if loss == "tokens":
+        logits = model.compute_logits(selected)  # [M, Vd]
         labels_ce = labels[labelled]
-        per_item = token_cross_entropy(logits, labels_ce)
-        weights = weights * (labels_ce >= 0)
+        value = weighted_mean(token_cross_entropy(logits, labels_ce), weights * (labels_ce >= 0))
+        argmax = logits.argmax(-1)
     elif loss == "target_logits":
         if target_head is None or batch.last_hidden is None:
             raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
         # The target predicts token i from its state at i-1. Overlapping blocks share target
         # positions: the head runs once per distinct position (<= T, not A·(B-1) rows).
         probs, rows = target_probs(target_head, batch.last_hidden, (tgt - 1).flatten(1), labelled.flatten(1))
-        per_item = soft_cross_entropy_gathered(logits, probs, rows.view_as(tgt)[labelled])
+        value, argmax = head_soft_cross_entropy(
+            selected, model.lm_head, probs, rows.view_as(tgt)[labelled], weights
+        )
     else:
         raise ValueError(f"unknown loss {loss!r}")
 
     k = b - 1
     pred = torch.full_like(labels, -1)
-    pred[labelled] = logits.argmax(-1)  # unlabelled slots never count as hits
+    pred[labelled] = argmax  # unlabelled slots never count as hits
     metrics = draft_metrics(
         pred.reshape(-1, k), labels.reshape(-1, k), labelled.reshape(-1, k), valid.reshape(-1)
     )
-    return LossOutput(weighted_mean(per_item, weights), metrics)
+    return LossOutput(value, metrics)

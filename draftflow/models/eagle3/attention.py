@@ -18,10 +18,10 @@ EAGLE-3/SpecForge's "cache_hidden" attention but without materialising ``[T, T]`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from draftflow.models.common import AttentionImpl, dense_attention_lse, merge_attention, range_attention
+from draftflow.models.window_attention import grouped_window_attention
 
 
 def diagonal_attention(
@@ -76,40 +76,17 @@ def ttt_attention_chunked(
     scale: float,
     max_chunk_queries: int = 128,
 ) -> Tensor:
-    """The CPU path: fused SDPA per chunk of queries over [causal window ; the chunk's own
-    previous-step keys]. A chunk of n queries scores its window of step-0 keys (from the
-    smallest document start to its last index) plus n·k diagonal keys, mask [n, W + n·k]:
-    no [T, T] tensor, and SDPA's fused kernel (with its own backward) instead of scoring in
-    Python. One softmax over both key sets: no log-sum-exp merge. Every query sees itself."""
+    """The CPU path: one fused flash-attention call per chunk of queries over [causal window ;
+    the chunk's own previous-step keys] (:func:`~draftflow.models.window_attention.
+    grouped_window_attention`, one group per index holding its k earlier-step keys). A chunk
+    of n queries scores its window of step-0 keys (from the smallest document start to its
+    last index) plus n·k diagonal keys, mask [n, W + n·k]: no [T, T] tensor, and one softmax
+    over both key sets: no log-sum-exp merge. Every query sees itself."""
     bt, t, nh, hd = q.shape
     nkv, steps = k0.shape[2], len(prev_k)
-    kd = torch.stack(prev_k, 2) if steps else None  # [Bt, T, k, nkv, hd]
-    vd = torch.stack(prev_v, 2) if steps else None
-    outs = []
-    for s in range(0, t, max_chunk_queries):
-        e = min(t, s + max_chunk_queries)
-        n = e - s
-        w0 = int(lo[:, s:e].min().clamp(0, t))
-        w1 = max(w0, int(hi[:, s:e].max().clamp(0, t)))
-        idx = torch.arange(w1 - w0, device=q.device)
-        mask = (idx >= (lo[:, s:e] - w0)[..., None]) & (idx < (hi[:, s:e] - w0)[..., None])  # [Bt, n, W]
-        keys, values = k0[:, w0:w1], v0[:, w0:w1]
-        if steps:
-            owner = torch.arange(n * steps, device=q.device) // steps
-            diag = (owner[None, :] == torch.arange(n, device=q.device)[:, None]).expand(bt, -1, -1)
-            mask = torch.cat([mask, diag], -1)
-            keys = torch.cat([keys, kd[:, s:e].reshape(bt, n * steps, nkv, hd)], 1)
-            values = torch.cat([values, vd[:, s:e].reshape(bt, n * steps, nkv, hd)], 1)
-        out = F.scaled_dot_product_attention(
-            q[:, s:e].transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None],
-            scale=scale,
-            enable_gqa=nh != nkv,
-        )
-        outs.append(out.transpose(1, 2))
-    return torch.cat(outs, 1)
+    kd = torch.stack(prev_k, 2).reshape(bt, t * steps, nkv, hd) if steps else None  # index-major
+    vd = torch.stack(prev_v, 2).reshape(bt, t * steps, nkv, hd) if steps else None
+    return grouped_window_attention(q, k0, v0, lo, hi, kd, vd, 1, steps, scale, max_chunk_queries)
 
 
 def ttt_attention_merged(

@@ -34,7 +34,7 @@ from draftflow.models.losses import (
     LossKind,
     LossOutput,
     draft_metrics,
-    soft_cross_entropy_gathered,
+    head_soft_cross_entropy,
     target_probs,
     token_cross_entropy,
     ttt_weight,
@@ -53,12 +53,23 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor, rope: RotaryEmbedding, impl: str
+        self,
+        x: Tensor,
+        pos: Tensor,
+        cache: dict,
+        lo: Tensor,
+        hi: Tensor,
+        rope: RotaryEmbedding,
+        impl: str,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        # x [Bt, T, 2H]; cache holds step-0 keys "k0"/"v0" and later steps' "k"/"v" lists
-        q = rope(self.q_proj(x).unflatten(-1, (self.nh, self.hd)), pos)  # [Bt, T, nh, hd]
+        # x [Bt, T, 2H]; cache holds step-0 keys "k0"/"v0" and later steps' "k"/"v" lists.
+        # rows [R]: queries at those indices only (keys at every index); lo/hi are theirs.
         k = rope(self.k_proj(x).unflatten(-1, (self.nkv, self.hd)), pos)  # [Bt, T, nkv, hd]
         v = self.v_proj(x).unflatten(-1, (self.nkv, self.hd))
+        if rows is not None:
+            x, pos = x[:, rows], pos[:, rows]
+        q = rope(self.q_proj(x).unflatten(-1, (self.nh, self.hd)), pos)  # [Bt, R, nh, hd]
         if "k0" not in cache:
             cache.update(k0=k, v0=v, k=[], v=[])
         else:
@@ -80,11 +91,13 @@ class Eagle3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, embeds, hidden, pos, cache, lo, hi, rope, impl) -> Tensor:
+    def forward(self, embeds, hidden, pos, cache, lo, hi, rope, impl, rows=None) -> Tensor:
         e = self.input_layernorm(embeds)
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
-        x = residual + self.self_attn(torch.cat([e, h], -1), pos, cache, lo, hi, rope, impl)
+        if rows is not None:
+            residual = residual[:, rows]
+        x = residual + self.self_attn(torch.cat([e, h], -1), pos, cache, lo, hi, rope, impl, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,29 +161,61 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux_hidden.flatten(-2).to(self.fc.weight.dtype))
 
     def step(
-        self, tokens: Tensor, hidden: Tensor, pos: Tensor, cache: dict, lo: Tensor, hi: Tensor
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        pos: Tensor,
+        cache: dict,
+        lo: Tensor,
+        hi: Tensor,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        """One drafter pass: tokens [Bt, T], hidden [Bt, T, H] → pre-norm output [Bt, T, H]."""
+        """One drafter pass: tokens [Bt, T], hidden [Bt, T, H] → pre-norm output [Bt, T, H]
+        (with ``rows`` [R]: keys at every index, output [Bt, R, H] at those; lo/hi [Bt, R])."""
         return self.layers[0](
-            self.embed_tokens(tokens), hidden, pos, cache, lo, hi, self.rotary, self._impl(hidden.device)
+            self.embed_tokens(tokens),
+            hidden,
+            pos,
+            cache,
+            lo,
+            hi,
+            self.rotary,
+            self._impl(hidden.device),
+            rows,
         )
 
     def compute_logits(self, hidden_prenorm: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden_prenorm))  # [..., draft_vocab]
 
     def forward_ttt(
-        self, input_ids: Tensor, aux_hidden: Tensor, position_ids: Tensor, doc_start: Tensor, steps: int
+        self,
+        input_ids: Tensor,
+        aux_hidden: Tensor,
+        position_ids: Tensor,
+        doc_start: Tensor,
+        steps: int,
+        rows: Tensor | None = None,
     ) -> list[Tensor]:
         """Unrolled training-time test; returns the pre-norm output [Bt, T, H] of every step.
 
         Step k at index i reads token i+1+k (teacher forcing: the token vLLM feeds when every
         earlier draft was accepted), position pos[i]+k, and the previous step's output.
+        ``rows`` [R] (sorted indices): outputs [Bt, R, H] at those indices only, the same
+        values. Index i's chain (its steps' outputs and step >= 1 keys) is read by index i
+        alone, so indices whose chain feeds no loss (prompt tokens) need only their step-0
+        keys, which every later index attends to.
         """
         t = input_ids.shape[1]
         hi = torch.arange(1, t + 1, device=input_ids.device).expand_as(doc_start)
+        lo = doc_start
+        if rows is not None:
+            lo, hi = lo[:, rows], hi[:, rows]
         hidden, cache, outs = self.combine_hidden_states(aux_hidden), {}, []
         for k in range(steps):
-            hidden = self.step(shift_left(input_ids, 1 + k), hidden, position_ids + k, cache, doc_start, hi)
+            tokens, pos = shift_left(input_ids, 1 + k), position_ids + k
+            if rows is not None and k > 0:  # the chain from step 1 on lives on `rows` only
+                tokens, pos = tokens[:, rows], pos[:, rows]
+            hidden = self.step(tokens, hidden, pos, cache, lo, hi, rows if k == 0 else None)
             outs.append(hidden)
         return outs
 
@@ -243,10 +288,15 @@ def eagle3_loss(
 ) -> LossOutput:
     """Sum over TTT steps of decay**k × mean CE (or soft CE to the target) of step k."""
     doc_start, doc_end, pos = batch.documents()
-    outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, doc_start, steps)
     mask = batch.loss_mask.bool()
     total = torch.zeros((), device=pos.device)
     steps_ok = [step_targets(batch.input_ids, mask, doc_end, k) for k in range(steps)]
+    # Indices labelled at some step (in any row): only their chains feed the loss; the
+    # others (prompt tokens, document ends) contribute their step-0 keys alone.
+    chain = torch.stack([ok for _, ok in steps_ok]).any(0).any(0).nonzero()[:, 0] if steps else None
+    if chain is not None and chain.numel() in (0, mask.shape[1]):
+        chain = None
+    outs = model.forward_ttt(batch.input_ids, batch.hidden_states, pos, doc_start, steps, chain)
     if loss == "target_logits":
         if target_head is None or batch.last_hidden is None:
             raise ValueError("loss='target_logits' needs target_head and batch.last_hidden")
@@ -260,20 +310,28 @@ def eagle3_loss(
         probs, rows = target_probs(target_head, batch.last_hidden, idx, needed)
     preds, labels, labelled = [], [], []
     for k, (out, (lab, ok)) in enumerate(zip(outs, steps_ok)):
-        logits = model.compute_logits(out[ok])  # [M, Vd]: labelled indices only (the rest weigh 0)
+        # [M, H]: labelled indices only (the rest weigh 0); every labelled index is in `chain`
+        selected = out[ok if chain is None else ok[:, chain]]
         lab = model.vocab.to_draft(lab)
         if loss == "tokens":
+            logits = model.compute_logits(selected)  # [M, Vd]
             lab_ce = lab[ok]
-            per_item, weights = token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float()
+            value = weighted_mean(token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float())
+            argmax = logits.argmax(-1)
         elif loss == "target_logits":
             at = torch.cat([rows[:, 1 + k :], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
-            per_item = soft_cross_entropy_gathered(logits, probs, at[:, : rows.shape[1]][ok])
-            weights = torch.ones_like(per_item)
+            value, argmax = head_soft_cross_entropy(
+                model.norm(selected),
+                model.lm_head,
+                probs,
+                at[:, : rows.shape[1]][ok],
+                ok.new_ones(int(ok.sum()), dtype=torch.float32),
+            )
         else:
             raise ValueError(f"unknown loss {loss!r}")
-        total = total + ttt_weight(decay, k) * weighted_mean(per_item, weights)
+        total = total + ttt_weight(decay, k) * value
         pred = torch.full_like(lab, -1)
-        pred[ok] = logits.argmax(-1)  # unlabelled indices never count as hits
+        pred[ok] = argmax  # unlabelled indices never count as hits
         preds.append(pred)
         labels.append(lab)
         labelled.append(ok)
