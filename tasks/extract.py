@@ -31,6 +31,7 @@ from draftflow.vllm.server import ServerHandle, ensure_running
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
 from tasks.progress import prefect_sinks
+from tasks.runners import shard_runner, where_this_runs
 
 EXTRACTION_TAG = "draftflow-vllm-extraction"
 
@@ -138,6 +139,10 @@ def extract_shard(
     store_block: str | None,
     vllm_block: str | None,
 ) -> dict:
+    where = where_this_runs()
+    get_run_logger().info(
+        "shard %s on %s (host %s, pid %s)", shard, where["worker"], where["host"], where["pid"]
+    )
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
     if plan.fingerprint != fingerprint:
@@ -159,6 +164,7 @@ def extract_shard(
         "samples_failed": result.samples_failed,
         "tokens": result.tokens,
         "failures": [list(f) for f in result.failures][:20],
+        "ran_on": where,
     }
 
 
@@ -174,7 +180,15 @@ def shard_table(
     for shard, outcome in zip(shards, outcomes):
         if isinstance(outcome, BaseException):
             failed += 1
-            rows.append({"shard": shard, "status": "failed", "samples_ok": "", "reason": str(outcome)[:200]})
+            rows.append(
+                {
+                    "shard": shard,
+                    "status": "failed",
+                    "samples_ok": "",
+                    "reason": str(outcome)[:200],
+                    "ran on": "",
+                }
+            )
         else:
             status = "already in store" if outcome["skipped"] else "extracted"
             why = reasons.get(shard, "")
@@ -182,10 +196,21 @@ def shard_table(
                 status = "regenerated"
             reason = "; ".join([why] * bool(why) + [f"{s}: {r}" for s, r in outcome["failures"][:3]])
             rows.append(
-                {"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason}
+                {
+                    "shard": shard,
+                    "status": status,
+                    "samples_ok": outcome["samples_ok"],
+                    "reason": reason,
+                    "ran on": _ran_on(outcome),
+                }
             )
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}
+
+
+def _ran_on(outcome: dict) -> str:
+    where = outcome.get("ran_on")  # absent from results cached before it was recorded
+    return f"{where['worker']} (host {where['host']}, pid {where['pid']})" if where else ""
 
 
 def wait_for_shards(futures: list, key: str) -> list:
@@ -216,25 +241,32 @@ def extract_every_shard(
     store_block: str | None,
     vllm_block: str | None,
     progress_key: str,
+    runner_settings: dict | None = None,
 ) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
     """One mapped extract-shard task per shard (call it from a flow), each shard's outcome, and why
-    each shard had to run (plan-shards' reasons).
+    each shard had to run (plan-shards' reasons). ``runner_settings``: the recipe's `prefect`
+    section (check-task-runner); None: the flow's own task runner.
 
     The manifest is the truth: a shard it still lacks although its task "succeeded" came from a
     stale cache (store wiped or moved) and runs again, ignoring the cache.
     """
     planned = plan_shards(recipe, overrides, store_block)
     shards = planned["all"]
-    args = (unmapped(recipe), unmapped(overrides), unmapped(fingerprint))
-    infra = (unmapped(store_block), unmapped(vllm_block))
-    # done/total, rate, ETA and failures as the shard tasks finish
-    outcomes = wait_for_shards(list(extract_shard.map(*args, shards, *infra)), progress_key)
-    missing = set(plan_shards(recipe, overrides, store_block)["missing"])
-    stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
-    if stale:
-        again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
-        redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
-        outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
+    same = {"recipe": recipe, "overrides": overrides, "fingerprint": fingerprint}
+    same |= {"store_block": store_block, "vllm_block": vllm_block}
+
+    def parameters(ids: list[str]) -> dict:
+        return {**{k: unmapped(v) for k, v in same.items()}, "shard": ids}
+
+    with shard_runner(runner_settings or {"task_runner": "threads"}) as runner:
+        # done/total, rate, ETA and failures as the shard tasks finish
+        outcomes = wait_for_shards(list(runner.map(extract_shard, parameters(shards))), progress_key)
+        missing = set(plan_shards(recipe, overrides, store_block)["missing"])
+        stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
+        if stale:
+            again = runner.map(extract_shard.with_options(refresh_cache=True), parameters(stale))
+            redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
+            outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
     return shards, outcomes, planned["reasons"]
 
 
