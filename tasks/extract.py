@@ -4,7 +4,9 @@ Shard tasks persist their results and are cached on recipe fingerprint + store l
 shard id + the shard format version (not on the task's source, not on inputs alone). A flow
 run retried from the UI re-runs the whole flow: completed shards come from the cache, failed
 ones run again. The manifest stays the truth: a shard task first checks it, so a shard that
-is in the manifest is never regenerated even if the cache is gone.
+is in the manifest is never regenerated even if the cache is gone. Shard tasks run on the
+runner the recipe's `prefect` section names (tasks/runners.py: the flow's threads, or Dask worker
+processes); cache key, persisted results and the manifest check are the same on both.
 """
 
 from __future__ import annotations

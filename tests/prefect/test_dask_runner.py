@@ -157,7 +157,12 @@ def test_worker_killed_mid_shard_reruns_it_without_duplicates(
     assert rows[HELD]["status"] == "extracted" and f"pid {killed[0]})" not in held, held
     manifest = read_manifest(Store(Plan.load(recipe).data))
     assert set(manifest.filter(pc.equal(manifest["shard_id"], HELD))["attempt"].to_pylist()) == {1}
-    assert _shard_task_states(state.state_details.flow_run_id) == {s: ["Completed"] for s in shards}
+    # Still one task run per shard. Dask also re-runs the tasks whose results lived in the dead
+    # worker's memory: those find their persisted result (Cached) and ask vLLM nothing.
+    states = _shard_task_states(state.state_details.flow_run_id)
+    assert sorted(states) == shards and states[HELD] == ["Completed"], states
+    assert all(s in (["Completed"], ["Cached"]) for s in states.values()), states
+    print(f"killed worker pid {killed[0]} mid-shard {HELD}; re-ran on {held}; task states {states}")
 
 
 def test_dead_scheduler_address_fails_first_naming_the_field(
