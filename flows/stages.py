@@ -20,6 +20,7 @@ from tasks.extract import (
     stopped_unless_kept,
 )
 from tasks.recipe import resolve_plan
+from tasks.runners import check_task_runner
 from tasks.train import train_drafter
 
 
@@ -51,6 +52,7 @@ def extract(
     """
     overrides = list(overrides or [])
     ref = resolve_plan(recipe, overrides, store_block)
+    runner = check_task_runner(recipe, overrides)  # a Dask scheduler that does not answer stops us here
     # Preparation first, on a plain server (generation at full speed), then the extraction server.
     prepare_data(recipe, overrides, store_block, vllm_block)
     server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
@@ -63,6 +65,7 @@ def extract(
             vllm_block,
             ref["shard_table_key"] + "-progress",
             server,  # a launched server that dies mid-run is started again, its shards retried
+            runner,
         )
         summary = shard_table(shards, outcomes, ref["shard_table_key"], reasons)
         fail_on_failed_shards(summary)

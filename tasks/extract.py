@@ -4,7 +4,9 @@ Shard tasks persist their results and are cached on recipe fingerprint + store l
 shard id + the shard format version (not on the task's source, not on inputs alone). A flow
 run retried from the UI re-runs the whole flow: completed shards come from the cache, failed
 ones run again. The manifest stays the truth: a shard task first checks it, so a shard that
-is in the manifest is never regenerated even if the cache is gone.
+is in the manifest is never regenerated even if the cache is gone. Shard tasks run on the
+runner the recipe's `prefect` section names (tasks/runners.py: the flow's threads, or Dask worker
+processes); cache key, persisted results and the manifest check are the same on both.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from draftflow.vllm.server import ServerHandle, ensure_running
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
 from tasks.progress import prefect_sinks
+from tasks.runners import shard_runner, where_this_runs
 
 EXTRACTION_TAG = "draftflow-vllm-extraction"
 
@@ -156,8 +159,12 @@ def extract_shard(
 ) -> dict:
     """`server_ref`: names check-or-start-vllm's handle when this task runs in the flow's process
     (the default thread pool); a server it launched that dies mid-shard is then started again and
-    the shard retried, as the CLI does. Elsewhere (a distributed task runner) the shard fails and a
-    retry of the flow run starts the server again."""
+    the shard retried, as the CLI does. Elsewhere (a Dask worker) the name finds no handle: the
+    shard fails and a retry of the flow run starts the server again."""
+    where = where_this_runs()
+    get_run_logger().info(
+        "shard %s on %s (host %s, pid %s)", shard, where["worker"], where["host"], where["pid"]
+    )
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
     if plan.fingerprint != fingerprint:
@@ -180,6 +187,7 @@ def extract_shard(
         "samples_failed": result.samples_failed,
         "tokens": result.tokens,
         "failures": [list(f) for f in result.failures][:20],
+        "ran_on": where,
     }
 
 
@@ -195,7 +203,15 @@ def shard_table(
     for shard, outcome in zip(shards, outcomes):
         if isinstance(outcome, BaseException):
             failed += 1
-            rows.append({"shard": shard, "status": "failed", "samples_ok": "", "reason": str(outcome)[:200]})
+            rows.append(
+                {
+                    "shard": shard,
+                    "status": "failed",
+                    "samples_ok": "",
+                    "reason": str(outcome)[:200],
+                    "ran on": "",
+                }
+            )
         else:
             status = "already in store" if outcome["skipped"] else "extracted"
             why = reasons.get(shard, "")
@@ -203,10 +219,21 @@ def shard_table(
                 status = "regenerated"
             reason = "; ".join([why] * bool(why) + [f"{s}: {r}" for s, r in outcome["failures"][:3]])
             rows.append(
-                {"shard": shard, "status": status, "samples_ok": outcome["samples_ok"], "reason": reason}
+                {
+                    "shard": shard,
+                    "status": status,
+                    "samples_ok": outcome["samples_ok"],
+                    "reason": reason,
+                    "ran on": _ran_on(outcome),
+                }
             )
     create_table_artifact(key=key, table=rows, description="extraction shards")
     return {"shards": len(shards), "failed": failed}
+
+
+def _ran_on(outcome: dict) -> str:
+    where = outcome.get("ran_on")  # absent from results cached before it was recorded
+    return f"{where['worker']} (host {where['host']}, pid {where['pid']})" if where else ""
 
 
 def wait_for_shards(futures: list, key: str) -> list:
@@ -238,26 +265,33 @@ def extract_every_shard(
     vllm_block: str | None,
     progress_key: str,
     server: ServerHandle | None = None,
+    runner_settings: dict | None = None,
 ) -> tuple[list[str], list[dict | BaseException], dict[str, str]]:
     """One mapped extract-shard task per shard (call it from a flow), each shard's outcome, and why
-    each shard had to run (plan-shards' reasons).
+    each shard had to run (plan-shards' reasons). ``runner_settings``: the recipe's `prefect`
+    section (check-task-runner); None: the flow's own task runner. `server`: the handle of
+    check-or-start-vllm, which restarts a launched server that dies mid-run.
 
     The manifest is the truth: a shard it still lacks although its task "succeeded" came from a
-    stale cache (store wiped or moved) and runs again, ignoring the cache. `server`: the handle
-    of check-or-start-vllm, which restarts a launched server that dies mid-run.
+    stale cache (store wiped or moved) and runs again, ignoring the cache.
     """
     planned = plan_shards(recipe, overrides, store_block)
     shards = planned["all"]
-    args = (unmapped(recipe), unmapped(overrides), unmapped(fingerprint))
-    infra = (unmapped(store_block), unmapped(vllm_block), unmapped(handle_ref(server)))
-    # done/total, rate, ETA and failures as the shard tasks finish
-    outcomes = wait_for_shards(list(extract_shard.map(*args, shards, *infra)), progress_key)
-    missing = set(plan_shards(recipe, overrides, store_block)["missing"])
-    stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
-    if stale:
-        again = extract_shard.with_options(refresh_cache=True).map(*args, stale, *infra)
-        redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
-        outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
+    same = {"recipe": recipe, "overrides": overrides, "fingerprint": fingerprint}
+    same |= {"store_block": store_block, "vllm_block": vllm_block, "server_ref": handle_ref(server)}
+
+    def parameters(ids: list[str]) -> dict:
+        return {**{k: unmapped(v) for k, v in same.items()}, "shard": ids}
+
+    with shard_runner(runner_settings or {"task_runner": "threads"}) as runner:
+        # done/total, rate, ETA and failures as the shard tasks finish
+        outcomes = wait_for_shards(list(runner.map(extract_shard, parameters(shards))), progress_key)
+        missing = set(plan_shards(recipe, overrides, store_block)["missing"])
+        stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
+        if stale:
+            again = runner.map(extract_shard.with_options(refresh_cache=True), parameters(stale))
+            redo = dict(zip(stale, (f.result(raise_on_failure=False) for f in again)))
+            outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
     return shards, outcomes, planned["reasons"]
 
 

@@ -218,6 +218,35 @@ MALFORMED = [
         "extraction.layer_ids",
         "last layer 30",
     ),
+    (
+        "dask-address-on-thread-runner",
+        lambda d: _set(d, "prefect", {"address": "tcp://127.0.0.1:8786"}),
+        [],
+        "prefect.address",
+        "only to prefect.task_runner: dask",
+    ),
+    (
+        "dask-address-not-a-scheduler-url",
+        lambda d: _set(d, "prefect", {"task_runner": "dask", "address": "127.0.0.1:8786"}),
+        [],
+        "prefect.address",
+        "tcp://HOST:PORT",
+    ),
+    (
+        "dask-workers-with-external-cluster",
+        lambda d: d,
+        ["prefect={task_runner: dask, address: 'tcp://127.0.0.1:8786', workers: 4}"],
+        "prefect.workers",
+        "local cluster only",
+    ),
+    (
+        "dask-zero-workers",
+        lambda d: d,
+        ["prefect.workers=0"],
+        "prefect.workers",
+        "greater than or equal to 1",
+    ),
+    ("ray-runner", lambda d: d, ["prefect.task_runner=ray"], "prefect.task_runner", "'threads' or 'dask'"),
 ]
 
 

@@ -14,7 +14,8 @@ From smallest to largest:
   check or start the servers, prepare the data if needed (regenerating replies through the
   same servers), reconcile, and extract only the missing, failed or corrupt shards;
   :func:`prepare_data` is the preparation step alone (a flow's task before the shard tasks).
-* :mod:`~draftflow.extraction.faults` — a test-only fault hook (``DRAFTFLOW_TEST_FAIL_SHARDS``).
+* :mod:`~draftflow.extraction.faults` — test-only fault hooks (``DRAFTFLOW_TEST_FAIL_SHARDS``,
+  ``DRAFTFLOW_TEST_HOLD_SHARDS``).
 """
 
 from draftflow.extraction.faults import FAULT_ONCE_DIR_ENV, FAULT_SHARDS_ENV, InjectedFault

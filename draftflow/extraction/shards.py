@@ -18,7 +18,7 @@ import torch
 
 from draftflow import paths
 from draftflow.async_run import run_coroutine
-from draftflow.extraction.faults import injected_fault
+from draftflow.extraction.faults import injected_fault, injected_hold
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
 from draftflow.plan import NOT_THE_STORE, Plan
 from draftflow.recipe.load import expand
@@ -163,6 +163,7 @@ async def extract_shard(
     dtype = plan.recipe.extraction.dtype
     samples = await extract_samples(train, shard.sample_ids, client, dtype=dtype, on_sample=on_sample)
     injected_fault(shard.shard_id)
+    injected_hold(shard.shard_id)
     info = extraction_info(plan, mode, vllm_version)
     # The write hashes and uploads the shard: off the event loop, so other shards keep extracting.
     committed = await asyncio.to_thread(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from draftflow.recipe.load import RecipeError, expand, load_recipe
@@ -125,3 +126,28 @@ def storage_errors(
         if reason:
             by_reason.setdefault(reason, []).append(f"{name} ({url})")
     return [f"{', '.join(fields)}: {reason}" for reason, fields in by_reason.items()]
+
+
+def scheduler_errors(recipe: Recipe, timeout_s: float = 5.0) -> list[str]:
+    """The Dask scheduler at ``prefect.address`` does not accept a connection from here.
+
+    Run by the flows that map shard tasks, before any vLLM server starts: without it a dead
+    address surfaces only after the servers are up, as a connection timeout deep in the task runner.
+    A TCP connect is enough to tell "nothing there" (no Dask import in the core).
+    """
+    address = recipe.prefect.address
+    if recipe.prefect.task_runner != "dask" or address is None:
+        return []
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        if isinstance(err, TimeoutError):
+            reason = f"no answer within {timeout_s:.0f} s"
+        else:
+            reason = (err.strerror or type(err).__name__).lower()
+        return [
+            f"prefect.address: no Dask scheduler answers at {address} ({reason}); "
+            "start it (`dask scheduler`), or remove prefect.address to start a local cluster"
+        ]
+    return []

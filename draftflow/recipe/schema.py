@@ -367,6 +367,43 @@ class PublishSection(Section):
     )
 
 
+class PrefectSection(Section):
+    """Where the Prefect flows run their extraction shard tasks (the `draftflow extract` command and
+    torchrun never read this: they run shards in their own process)."""
+
+    task_runner: Literal["threads", "dask"] = Field(
+        "threads",
+        description="threads: Prefect's thread pool inside the flow-run process. dask: prefect-dask's "
+        "DaskTaskRunner, one shard task at a time per Dask worker process.",
+    )
+    address: str | None = Field(
+        None,
+        description="task_runner dask: tcp://HOST:PORT of a running Dask scheduler whose workers have this "
+        "checkout importable; None: the flow starts a distributed.LocalCluster of `workers` processes.",
+    )
+    workers: int = Field(
+        2, ge=1, description="task_runner dask without an address: worker processes of the local cluster."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _scheduler_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"(tcp|tls)://[^\s/:]+:\d{1,5}", value):
+            raise ValueError(f"{value!r} is not a scheduler address of the form tcp://HOST:PORT")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrefectSection:
+        # Contradictions are errors, not silently ignored settings.
+        if self.task_runner != "dask" and ({"address", "workers"} & self.model_fields_set):
+            raise ValueError("prefect.address and prefect.workers apply only to prefect.task_runner: dask")
+        if self.address is not None and "workers" in self.model_fields_set:
+            raise ValueError(
+                "prefect.workers sizes the local cluster only; the cluster at prefect.address has its own"
+            )
+        return self
+
+
 class Recipe(Section):
     """A whole training recipe."""
 
@@ -380,6 +417,7 @@ class Recipe(Section):
     training: TrainingSection = TrainingSection()
     evaluation: EvaluationSection = EvaluationSection()
     publish: PublishSection = PublishSection()
+    prefect: PrefectSection = PrefectSection()
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:

@@ -47,11 +47,20 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 
 def write_tiny_recipe(
-    path: Path, model: Path, store: str, endpoint: str, name: str = "prefect-test", staging: str | None = None
+    path: Path,
+    model: Path,
+    store: str,
+    endpoint: str,
+    name: str = "prefect-test",
+    staging: str | None = None,
+    prefect: dict | None = None,
 ) -> str:
-    """SmolLM2, ~20 chatterbot train samples, 4 per shard, 128 tokens, fp32, no regeneration."""
+    """SmolLM2, ~20 chatterbot train samples, 4 per shard, 128 tokens, fp32, no regeneration.
+    `prefect`: the recipe's task-runner section (None: the default, Prefect's thread pool)."""
     recipe = recipe_dict(model, store, endpoint, staging, num_samples=24, max_length=128)
     recipe["name"] = name
+    if prefect is not None:
+        recipe["prefect"] = prefect
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return str(path)
 
@@ -103,6 +112,24 @@ def flow_run_logs(flow_run_id: UUID) -> list[str]:
             if len(page) < 200:
                 return lines
             offset += 200
+
+
+def shard_table_rows(key: str, flow_run_id: UUID | None = None) -> dict[str, dict]:
+    """The newest shard-table artifact `key` (of one flow run if given), as shard id -> row."""
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    only = ArtifactFilter(
+        key=ArtifactFilterKey(any_=[key]),
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]) if flow_run_id else None,
+    )
+    with get_client(sync_client=True) as client:
+        tables = client.read_artifacts(artifact_filter=only, limit=200)
+    latest = max(tables, key=lambda a: a.created)
+    data = latest.data if isinstance(latest.data, list) else json.loads(latest.data)
+    return {row["shard"]: row for row in data}
 
 
 def task_runs(flow_run_id: UUID) -> list:

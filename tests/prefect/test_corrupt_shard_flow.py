@@ -3,12 +3,11 @@ although the shard's task result is cached, and the run's shard table says so.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
-from prefect_helpers import write_tiny_recipe
+from prefect_helpers import shard_table_rows, write_tiny_recipe
 
 from draftflow.plan import Plan
 from draftflow.store import Store, load_sample, read_manifest, verify
@@ -19,8 +18,6 @@ pytestmark = pytest.mark.slow
 def test_flipped_bit_is_repaired_by_the_extract_flow(
     prefect_server, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
 ):
-    from prefect.client.orchestration import get_client
-
     from flows.stages import extract
 
     recipe = write_tiny_recipe(
@@ -51,10 +48,6 @@ def test_flipped_bit_is_repaired_by_the_extract_flow(
     for sid, want in original.items():
         got = load_sample(store, manifest, sid)
         assert got.hidden_states.equal(want.hidden_states) and got.token_ids.equal(want.token_ids)
-    with get_client(sync_client=True) as client:
-        tables = [a for a in client.read_artifacts(limit=200) if a.key == "prefect-bitflip-shards"]
-    latest = max(tables, key=lambda a: a.created)
-    data = latest.data if isinstance(latest.data, list) else json.loads(latest.data)
-    rows = {r["shard"]: r for r in data}
+    rows = shard_table_rows("prefect-bitflip-shards")
     assert rows["000001"]["status"] == "regenerated" and "sha256 mismatch" in rows["000001"]["reason"]
     assert all(r["status"] != "regenerated" for s, r in rows.items() if s != "000001")
