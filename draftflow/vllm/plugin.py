@@ -16,10 +16,12 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from draftflow.models.known_issues import DFLASH_CPU_K_NORM
+
+__all__ = ["DFLASH_CPU_K_NORM", "PLUGIN_NAME", "installed_fixes"]
+
 PLUGIN_NAME = "draftflow_vllm_cpu"
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "plugins" / PLUGIN_NAME
-#: The fix of vLLM 0.32's CPU build applying layer 0's DFlash k_norm to every layer.
-DFLASH_CPU_K_NORM = "dflash-cpu-grouped-k-norm"
 
 # Runs in the vLLM virtualenv: entry points only (no vLLM import), then the plugin module's FIXES.
 _PROBE = f"""

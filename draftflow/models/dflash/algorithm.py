@@ -12,9 +12,9 @@ from draftflow.models.common import PackedBatch
 from draftflow.models.dflash import checkpoint
 from draftflow.models.dflash.config import resolve_mask_token_id
 from draftflow.models.dflash.model import DFlashDrafter, dflash_loss
+from draftflow.models.known_issues import DFLASH_CPU_K_NORM
 from draftflow.models.losses import LossOutput
 from draftflow.models.vocab import DraftVocab
-from draftflow.vllm.plugin import DFLASH_CPU_K_NORM
 
 
 def recipe_mask_token(recipe, target_model: str) -> int:
