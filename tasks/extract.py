@@ -53,6 +53,14 @@ def handle_ref(server: ServerHandle | None) -> str | None:
     return name
 
 
+def handle_named(name: str | None) -> ServerHandle | None:
+    """The handle registered under ``name`` in this process; None elsewhere (a Dask worker).
+
+    A module-level function on purpose: the shard task is pickled by value for Dask, and it must
+    reach the weak registry by reference (a weakref dictionary cannot be pickled)."""
+    return _HANDLES.get(name) if name else None
+
+
 # Never cached, never persisted: a retried flow run (same run id) must check the servers again
 # (the failure may have been a dead server), and the handle carries the vLLM API key.
 @task(
@@ -178,7 +186,7 @@ def extract_shard(
             api_key=infra.api_key,
             storage_options=infra.storage_options,
             verify="cached",
-            server=_HANDLES.get(server_ref) if server_ref else None,
+            server=handle_named(server_ref),
         )
     return {
         "shard": shard,
