@@ -36,7 +36,7 @@ def check_task_runner(recipe: str, overrides: list[str]) -> dict:
     errors = scheduler_errors(r)
     if errors:
         raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
-    return r.prefect.model_dump()
+    return r.prefect.model_dump() | {"workers": r.prefect.local_workers}
 
 
 @contextmanager

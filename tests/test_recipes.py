@@ -34,6 +34,20 @@ def test_every_shipped_recipe_validates():
         assert "draftflow" in path.read_text().split("\nname:")[0], f"{path}: header lacks the run command"
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["prefect.task_runner=dask"], ["prefect.task_runner=dask", "prefect.workers=3"]],
+)
+def test_a_dumped_recipe_loads_again(tmp_path, overrides):
+    """Exports write the whole recipe (every default included) and evaluation/publishing load it back:
+    a validator that looks at which fields were given, not their values, broke that."""
+    for path in all_recipe_files(REPO / "recipes"):
+        recipe = load_recipe(str(path), overrides)
+        dumped = tmp_path / f"{path.stem}.yaml"
+        dumped.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+        assert load_recipe(str(dumped)) == recipe
+
+
 def test_recipe_search_is_recursive(tmp_path):
     nested = tmp_path / "team" / "forks"
     nested.mkdir(parents=True)

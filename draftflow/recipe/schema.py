@@ -367,6 +367,9 @@ class PublishSection(Section):
     )
 
 
+LOCAL_DASK_WORKERS = 2
+
+
 class PrefectSection(Section):
     """Where the Prefect flows run their extraction shard tasks (the `draftflow extract` command and
     torchrun never read this: they run shards in their own process)."""
@@ -381,8 +384,11 @@ class PrefectSection(Section):
         description="task_runner dask: tcp://HOST:PORT of a running Dask scheduler whose workers have this "
         "checkout importable; None: the flow starts a distributed.LocalCluster of `workers` processes.",
     )
-    workers: int = Field(
-        2, ge=1, description="task_runner dask without an address: worker processes of the local cluster."
+    workers: int | None = Field(
+        None,
+        ge=1,
+        description="task_runner dask without an address: worker processes of the local cluster; "
+        f"None: {LOCAL_DASK_WORKERS}.",
     )
 
     @field_validator("address")
@@ -395,13 +401,18 @@ class PrefectSection(Section):
     @model_validator(mode="after")
     def _consistent(self) -> PrefectSection:
         # Contradictions are errors, not silently ignored settings.
-        if self.task_runner != "dask" and ({"address", "workers"} & self.model_fields_set):
+        # By value, not by which fields were given: an exported recipe.yaml holds every field.
+        if self.task_runner != "dask" and (self.address is not None or self.workers is not None):
             raise ValueError("prefect.address and prefect.workers apply only to prefect.task_runner: dask")
-        if self.address is not None and "workers" in self.model_fields_set:
+        if self.address is not None and self.workers is not None:
             raise ValueError(
                 "prefect.workers sizes the local cluster only; the cluster at prefect.address has its own"
             )
         return self
+
+    @property
+    def local_workers(self) -> int:
+        return self.workers or LOCAL_DASK_WORKERS
 
 
 class Recipe(Section):
