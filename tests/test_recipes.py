@@ -261,6 +261,13 @@ MALFORMED = [
         "greater than or equal to 1",
     ),
     ("ray-runner", lambda d: d, ["prefect.task_runner=ray"], "prefect.task_runner", "'threads' or 'dask'"),
+    (
+        "dflash-draft-longer-than-block",
+        lambda d: d,
+        ["drafter.speculative_tokens=4"],  # the demo's block is 4: at most 3 drafted tokens
+        "speculative_tokens",
+        "exceeds block_size - 1 = 3",
+    ),
 ]
 
 
@@ -298,6 +305,14 @@ def test_missing_file_names_the_file(tmp_path):
     with pytest.raises(RecipeError, match="no such recipe file") as info:
         validate(str(tmp_path / "nope.yaml"))
     assert "nope.yaml" in str(info.value)
+
+
+def test_dflash_draft_length_defaults_to_the_block_and_may_be_shorter(smollm2_dir):
+    demo = REPO / "recipes" / "smollm2-135m-dflash-cpu.yaml"
+    block = validate(str(demo)).recipe.drafter.block_size
+    assert validate(str(demo)).recipe.drafter.speculative_tokens == block - 1
+    assert validate(str(demo), ["drafter.block_size=6"]).recipe.drafter.speculative_tokens == 5
+    assert validate(str(demo), ["drafter.speculative_tokens=1"]).recipe.drafter.speculative_tokens == 1
 
 
 def test_overrides_apply_and_parse_yaml_values():

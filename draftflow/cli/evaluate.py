@@ -1,4 +1,4 @@
-"""`draftflow evaluate CHECKPOINT --recipe RECIPE [--vllm|--no-vllm] [--set k=v]`."""
+"""`draftflow evaluate CHECKPOINT --recipe RECIPE [--vllm|--no-vllm] [--draft-length K] [--set k=v]`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="evaluate even if the checkpoint does not match its provenance (problems still reported)",
     )
+    p.add_argument(
+        "--draft-length",
+        type=int,
+        default=None,
+        help="serve and simulate K drafted tokens per step instead of the checkpoint's own (DFlash: "
+        "1 to block_size - 1; Eagle3: any chain length), as vLLM's num_speculative_tokens would",
+    )
     add_overrides(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -49,8 +56,11 @@ def cmd_evaluate(args) -> int:
             in_vllm=args.vllm,
             out_dir=out,
             strict_contract=not args.ignore_contract,
+            speculative_config=(
+                {"num_speculative_tokens": args.draft_length} if args.draft_length is not None else None
+            ),
         )
-    except (ContractError, AgreementError, LosslessError, EvaluationError) as err:
+    except (ContractError, AgreementError, LosslessError, EvaluationError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(evaluation.markdown(), end="")

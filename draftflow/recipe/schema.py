@@ -197,10 +197,18 @@ class VLLMSection(Section):
 
 
 class DFlashSection(Section):
-    """DFlash: a block-diffusion drafter that drafts `block_size - 1` tokens per forward pass."""
+    """DFlash: a block-diffusion drafter that drafts up to `block_size - 1` tokens per forward pass."""
 
     kind: Literal["dflash"]
     block_size: int = Field(8, ge=2)
+    speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens drafted per step when served (vLLM builds a block of this + 1 slots; the "
+        "weights serve any length up to block_size - 1). None: block_size - 1. Each drafted token "
+        "costs a verification slot: on a CPU, where that is ~10% of a decode step, 1 or 2 pays more "
+        "than a long draft of weak later positions (bench/quality.py --draft-lengths measures it).",
+    )
     max_anchors: int = Field(512, ge=1, description="Blocks sampled per packed sequence.")
     num_layers: int = Field(1, ge=1)
     draft_vocab_size: int | None = Field(
@@ -223,9 +231,16 @@ class DFlashSection(Section):
         description="Start the decoder layers from the target's last layers instead of random weights.",
     )
 
-    @property
-    def speculative_tokens(self) -> int:
-        return self.block_size - 1
+    @model_validator(mode="after")
+    def _served_length(self) -> DFlashSection:
+        if self.speculative_tokens is None:  # sections are frozen: the default is set once, here
+            object.__setattr__(self, "speculative_tokens", self.block_size - 1)
+        elif self.speculative_tokens > self.block_size - 1:
+            raise ValueError(
+                f"speculative_tokens {self.speculative_tokens} exceeds block_size - 1 = "
+                f"{self.block_size - 1} (a block drafts at most that many)"
+            )
+        return self
 
     @property
     def decay_gamma(self) -> float:

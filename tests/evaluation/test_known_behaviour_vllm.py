@@ -11,7 +11,8 @@ tokens and per-position acceptance, in total and per prompt — the same countin
 (accepted tokens counted past max_tokens and past EOS) and the same greedy tokens. vLLM's
 output with the drafter must equal its output without it, and the simulator's (transformers).
 
-Server start-ups: Eagle3, then DFlash, then the plain target (throughput and lossless baseline).
+Server start-ups: Eagle3, then DFlash, then the plain target (throughput and lossless baseline),
+then the same DFlash served with 2 of its block's 3 draft tokens (vLLM builds a shorter block).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def run(smollm2_dir, smollm2_model, prompts, vllm_servers, tmp_path_factory):
     factory = reusing_factory(vllm_servers.get, max_model_len=1024)
     root = tmp_path_factory.mktemp("known")
 
-    def evaluate(folder, measure_baseline: bool, meta: dict | None = None):
+    def evaluate(folder, measure_baseline: bool, meta: dict | None = None, draft_length: int | None = None):
         return evaluate_prompts(
             folder,
             prompts,
@@ -61,24 +62,25 @@ def run(smollm2_dir, smollm2_model, prompts, vllm_servers, tmp_path_factory):
             prompt_names=list(QUESTIONS),
             in_vllm=True,
             server_factory=factory,
-            out_dir=folder.with_name(folder.name + "-eval"),
+            out_dir=folder.with_name(f"{folder.name}-eval{draft_length or ''}"),
             target_info=read_target_info(str(smollm2_dir)),
             fingerprint="test-fp",
             measure_baseline=measure_baseline,
             model=smollm2_model,
             meta=meta,
+            speculative_config={"num_speculative_tokens": draft_length} if draft_length else None,
         )
 
+    dflash = dflash_checkpoint(smollm2_dir, root / "dflash", fixed_token=HA, block_size=4)
     return {
         "eagle3": evaluate(
             eagle3_checkpoint(smollm2_dir, root / "eagle3", fixed_token=NA, speculative_tokens=4),
             measure_baseline=False,
         ),
         "dflash": evaluate(
-            dflash_checkpoint(smollm2_dir, root / "dflash", fixed_token=HA, block_size=4),
-            measure_baseline=True,
-            meta={"prompt_set": "known", "prompt_categories": CATEGORIES},
+            dflash, measure_baseline=True, meta={"prompt_set": "known", "prompt_categories": CATEGORIES}
         ),
+        "dflash-served-2": evaluate(dflash, measure_baseline=False, draft_length=2),
     }
 
 
@@ -99,7 +101,7 @@ def counts(report):
     }
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dflash-served-2"])
 def test_vllm_counters_equal_the_simulator_exactly(run, kind):
     ev = run[kind].evaluation
     print(
@@ -118,6 +120,11 @@ def test_acceptance_is_what_the_constructed_drafters_imply(run):
     assert dflash["laugh"].accepted_per_position[2] >= 5 and dflash["laugh"].acceptance_length > 3
     assert dflash["ha-ha"].accepted_per_position == [1, 0, 0]
     assert dflash["sing"].accepted == dflash["france"].accepted == 0
+    # served with 2 of its 3 tokens: vLLM and the simulator draft 2 per step, more steps on the laugh
+    short = {p.prompt_id: p for p in run["dflash-served-2"].evaluation.vllm.per_prompt}
+    assert run["dflash-served-2"].evaluation.vllm.draft_length == 2
+    assert len(short["laugh"].accepted_per_position) == 2 and short["laugh"].drafts > dflash["laugh"].drafts
+    assert short["laugh"].acceptance_length < dflash["laugh"].acceptance_length
     # " na" chain: long runs on the song only
     assert eagle3["sing"].accepted_per_position[3] >= 4 and eagle3["laugh"].accepted == 0
     # the answer about France ends with EOS before max_tokens: fewer drafts, output cut at EOS
@@ -131,6 +138,7 @@ def test_outputs_are_lossless_in_vllm(run):
     assert dflash.vllm.outputs == plain and eagle3.vllm.outputs == plain
     assert dflash.offline.outputs == plain and eagle3.offline.outputs == plain
     assert dflash.vllm.report.outputs_identical == 4
+    assert run["dflash-served-2"].vllm.outputs == plain
     t = dflash.vllm.report.throughput
     assert t["with_drafter_tok_s"] > 0 and t["without_drafter_tok_s"] > 0 and t["speedup"] > 0
     print(f"throughput: {t}")

@@ -244,6 +244,40 @@ def test_export_load_roundtrip_gives_identical_outputs(synthetic, tmp_path, kind
     torch.testing.assert_close(loaded16.fc.weight, model.fc.weight.to(torch.bfloat16), rtol=0, atol=0)
 
 
+def test_dflash_served_shorter_than_its_block_exports_and_loads_that_draft_length(synthetic, tmp_path):
+    """Trained with blocks of 4, served with 1 drafted token: config.json keeps the trained block
+    and says 1 (vLLM then builds blocks of 2); the reloaded drafter proposes 1 token, the same
+    as a block-2 drafter with these weights, which is what vLLM runs."""
+    from dataclasses import replace
+
+    model = dflash_model(synthetic).eval()
+    folder = DFlash(model, speculative_tokens=1).export(
+        tmp_path / "d1",
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+    )
+    cfg = json.loads((folder / EXPORT_CONFIG).read_text())
+    assert cfg["block_size"] == 4
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 1
+    assert DFlash.config_problems(cfg, AUX) == []
+    reloaded = load_drafter(folder, dtype=torch.float32)
+    assert reloaded.speculative_tokens == 1 and reloaded.model.config.block_size == 4
+    short = DFlashDrafter(replace(model.config, block_size=2), model.vocab).eval()
+    short.load_state_dict(model.state_dict())
+    hidden, bonus = synthetic.batch.hidden_states[:, :9], synthetic.batch.input_ids[:, 9]
+    _, served = reloaded.model.propose(hidden, bonus, num_tokens=1, return_logits=True)
+    _, vllm_block = short.propose(hidden, bonus, return_logits=True)
+    assert served.shape[1] == 1
+    torch.testing.assert_close(served, vllm_block, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="drafts 1 to 3 tokens, not 4"):
+        DFlash(model, speculative_tokens=4)
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 4
+    assert DFlash.config_problems(cfg, AUX) == [
+        "config.json block_size 4 drafts 1 to 3 tokens but speculative_tokens is 4"
+    ]
+
+
 def test_export_rejects_layer_ids_vllm_would_reorder_or_miscount(synthetic, tmp_path):
     model = dflash_model(synthetic, layers=1)
     common = dict(verifier_name_or_path=synthetic.target_dir, verifier_architectures=["LlamaForCausalLM"])

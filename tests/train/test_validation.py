@@ -20,7 +20,7 @@ def tiny_vocab() -> DraftVocab:
     return DraftVocab(d2t, t2d)
 
 
-def tiny_drafter(kind: str, k: int):
+def tiny_drafter(kind: str, k: int, block: int | None = None):
     torch.manual_seed(0)
     common = dict(
         hidden_size=32,
@@ -33,7 +33,9 @@ def tiny_drafter(kind: str, k: int):
         rope_theta=10000.0,
     )
     if kind == "dflash":
-        cfg = DFlashConfig(**common, num_layers=2, num_context_layers=2, block_size=k + 1, mask_token_id=3)
+        cfg = DFlashConfig(
+            **common, num_layers=2, num_context_layers=2, block_size=block or k + 1, mask_token_id=3
+        )
         return DFlashDrafter(cfg, tiny_vocab()).eval()
     return Eagle3Drafter(Eagle3Config(**common, num_aux_layers=2), tiny_vocab()).eval()
 
@@ -57,7 +59,7 @@ def naive_counts(model, kind: str, k: int, hidden, ids, mask, greedy) -> validat
         if not mask[a]:
             continue
         if kind == "dflash":
-            draft = model.propose(hidden[None, :a], ids[a : a + 1])[0]
+            draft = model.propose(hidden[None, :a], ids[a : a + 1], num_tokens=k)[0]
         else:
             draft = model.propose(hidden[None, :a], ids[None, :a], ids[a : a + 1], k)[0]
         run = 0
@@ -70,17 +72,20 @@ def naive_counts(model, kind: str, k: int, hidden, ids, mask, greedy) -> validat
     return counts
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
-def test_batched_validation_acceptance_equals_a_naive_per_position_loop(kind):
-    k = 3
-    model = tiny_drafter(kind, k)
+@pytest.mark.parametrize(
+    "kind,k,block",
+    [("dflash", 3, None), ("dflash", 1, 4), ("dflash", 2, 4), ("eagle3", 3, None)],
+    ids=["dflash", "dflash-served-1-of-block-4", "dflash-served-2-of-block-4", "eagle3"],
+)
+def test_batched_validation_acceptance_equals_a_naive_per_position_loop(kind, k, block):
+    model = tiny_drafter(kind, k, block)
     total_naive, total = validation.AcceptanceCounts(k), validation.AcceptanceCounts(k)
     for seed in range(3):
         hidden, ids, mask, greedy = sample(seed, t=30 + 7 * seed)
         total_naive.merge(naive_counts(model, kind, k, hidden, ids, mask, greedy))
         total.merge(validation.sample_counts(model, k, hidden, ids, mask, greedy))
     assert (
-        total_naive.accepted > 0 and total_naive.accepted_per_position[1] > 0
+        total_naive.accepted > 0 and total_naive.accepted_per_position[min(1, k - 1)] > 0
     )  # not a trivial all-zero case
     assert (total.drafts, total.accepted, total.accepted_per_position) == (
         total_naive.drafts,

@@ -1,5 +1,6 @@
 """DFlash as a :class:`~draftflow.models.algorithm.DrafterAlgorithm`: one block of
-``block_size - 1`` drafts per forward pass from the fused target context."""
+``speculative_tokens`` drafts (at most ``block_size - 1``) per forward pass from the fused
+target context."""
 
 from __future__ import annotations
 
@@ -40,12 +41,8 @@ class DFlash(DrafterAlgorithm):
         speculative_tokens: int | None = None,
         settings: TrainSettings | None = None,
     ):
-        block = model.config.block_size
-        if speculative_tokens is not None and speculative_tokens != block - 1:
-            raise ValueError(
-                f"a DFlash block drafts block_size - 1 = {block - 1} tokens, not {speculative_tokens}"
-            )
-        super().__init__(model, speculative_tokens=block - 1, settings=settings)
+        k = model.served_block(speculative_tokens) - 1  # checks 1 <= k <= block_size - 1
+        super().__init__(model, speculative_tokens=k, settings=settings)
 
     @classmethod
     def build(
@@ -68,7 +65,11 @@ class DFlash(DrafterAlgorithm):
             init_from_target=spec.init_from_target,
         )
         model.checkpoint_layers = spec.activation_checkpointing
-        return cls(model, settings=TrainSettings(spec, recipe.training.loss, target_head))
+        return cls(
+            model,
+            speculative_tokens=spec.speculative_tokens,
+            settings=TrainSettings(spec, recipe.training.loss, target_head),
+        )
 
     @classmethod
     def model_from_config(cls, config: dict, vocab: DraftVocab) -> DFlashDrafter:
@@ -89,7 +90,9 @@ class DFlash(DrafterAlgorithm):
     @torch.no_grad()
     def propose(self, state: DraftState) -> list[int]:
         bonus = torch.tensor([state.tokens[-1]])
-        return self.model.propose(state.aux_hidden[None], bonus)[0].tolist()
+        return self.model.propose(state.aux_hidden[None], bonus, num_tokens=self.speculative_tokens)[
+            0
+        ].tolist()
 
     @property
     def mask_token_id(self) -> int:
@@ -107,9 +110,9 @@ class DFlash(DrafterAlgorithm):
             out.append(f"config.json mask_token_id {mask} is not a token of the {vocab}-token vocabulary")
         block = config.get("block_size")
         spec = speculators.speculative_tokens(config)
-        if block is not None and spec is not None and int(block) - 1 != spec:
+        if block is not None and spec is not None and not 1 <= spec <= int(block) - 1:
             out.append(
-                f"config.json block_size {block} drafts {int(block) - 1} tokens but "
+                f"config.json block_size {block} drafts 1 to {int(block) - 1} tokens but "
                 f"speculative_tokens is {spec}"
             )
         return out

@@ -3,7 +3,9 @@
 vLLM 0.32 reads (``algos.update_dflash`` + ``qwen3_dflash.py``):
 - ``aux_hidden_state_layer_ids`` in the extraction convention (id k = residual stream
   entering target layer k); vLLM derives its own ``target_layer_ids = id - 1``.
-- ``mask_token_id`` → the token fed to slots 1..B-1; ``speculative_tokens = block_size - 1``.
+- ``mask_token_id`` → the token fed to the mask slots; vLLM ignores ``block_size`` and builds
+  a block of ``speculative_tokens + 1`` slots (draftflow writes the trained block size and a
+  draft length of at most ``block_size - 1``).
 - ``transformer_layer_config``: a ``qwen3`` config (q/k norm, RoPE ``rope_parameters``);
   ``sliding_window_non_causal`` absent → non-causal blocks.
 - Weights ``fc``, ``hidden_norm``, ``norm``, ``layers.i.*``, ``lm_head``, ``d2t``/``t2d`` with
@@ -43,6 +45,7 @@ def config_from_file(config: dict) -> DFlashConfig:
         **speculators.shared_config_fields(config),
         num_layers=int(config["transformer_layer_config"]["num_hidden_layers"]),
         num_context_layers=len(config[AUX_LAYER_IDS_KEY]),
-        block_size=speculators.speculative_tokens(config) + 1,
+        # Older exports may lack block_size: vLLM's own reading (a block of the draft length + 1).
+        block_size=int(config.get("block_size") or speculators.speculative_tokens(config) + 1),
         mask_token_id=int(config["mask_token_id"]),
     )

@@ -223,10 +223,17 @@ class DFlashDrafter(nn.Module):
         return self.lm_head(hidden)  # [..., draft_vocab]
 
     def make_blocks(
-        self, input_ids: Tensor, position_ids: Tensor, doc_start: Tensor, anchors: Tensor, valid: Tensor
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        doc_start: Tensor,
+        anchors: Tensor,
+        valid: Tensor,
+        block_size: int | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Blocks at ``anchors`` [Bt, A] → block_ids, block_pos [Bt, A, B], lo, hi [Bt, A]."""
-        b = self.config.block_size
+        """Blocks at ``anchors`` [Bt, A] → block_ids, block_pos [Bt, A, B], lo, hi [Bt, A]
+        (B = ``block_size``, default the trained one)."""
+        b = block_size or self.config.block_size
         j = torch.arange(b, device=anchors.device)
         block_ids = torch.full(
             (*anchors.shape, b), self.config.mask_token_id, dtype=torch.long, device=anchors.device
@@ -237,6 +244,20 @@ class DFlashDrafter(nn.Module):
         hi = anchors * valid  # context strictly before the anchor; padding anchors see none
         return block_ids, block_pos, lo, hi
 
+    def served_block(self, num_tokens: int | None) -> int:
+        """Slots of a block that drafts ``num_tokens`` (default B-1): vLLM builds the block from
+        its draft length (anchor + k mask slots) and ignores the trained block size. Nothing in
+        the weights depends on the block size, so any 1 <= k <= B-1 is served; a block shorter
+        than trained sees fewer mask slots, so its drafts can differ a little from the first k
+        of a full block's."""
+        k = self.config.block_size - 1 if num_tokens is None else int(num_tokens)
+        if not 1 <= k <= self.config.block_size - 1:
+            raise ValueError(
+                f"a DFlash drafter trained with blocks of {self.config.block_size} drafts 1 to "
+                f"{self.config.block_size - 1} tokens, not {k}"
+            )
+        return k + 1
+
     @torch.no_grad()
     def propose(
         self,
@@ -244,18 +265,20 @@ class DFlashDrafter(nn.Module):
         anchor_tokens: Tensor,
         position_ids: Tensor | None = None,
         return_logits: bool = False,
+        num_tokens: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Draft as vLLM does: context = every given state, anchor at ``last position + 1``.
 
         hidden_states [Bt, T, n, H] (tokens the target processed); anchor_tokens [Bt] (the
-        target's next token). Returns greedy draft tokens [Bt, B-1] as target ids (and the
-        draft-vocab logits [Bt, B-1, Vd] with ``return_logits``).
+        target's next token). Returns greedy draft tokens [Bt, k] as target ids (and the
+        draft-vocab logits [Bt, k, Vd] with ``return_logits``), k = ``num_tokens`` (default
+        B-1; see :meth:`served_block`).
         """
         bt, t = hidden_states.shape[:2]
         device = hidden_states.device
         pos = position_ids if position_ids is not None else torch.arange(t, device=device).expand(bt, t)
         ctx = self.fuse_context(hidden_states)
-        b = self.config.block_size
+        b = self.served_block(num_tokens)
         ids = torch.full((bt, 1, b), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0, 0] = anchor_tokens
         block_pos = pos[:, -1:, None] + 1 + torch.arange(b, device=device)  # [Bt, 1, B]
@@ -271,9 +294,8 @@ class DFlashDrafter(nn.Module):
     ) -> Tensor:
         """What :meth:`propose` drafts for the prefix x[0..a-1] and bonus x[a], at every anchor a
         of one sequence at once (teacher-forced validation): hidden_states [T, n, H],
-        token_ids [T], anchors [A] → target ids [A, B-1]; a block drafts ``num_tokens = B - 1``."""
-        if num_tokens != self.config.block_size - 1:
-            raise ValueError(f"a DFlash block drafts {self.config.block_size - 1} tokens, not {num_tokens}")
+        token_ids [T], anchors [A] → target ids [A, num_tokens]."""
+        b = self.served_block(num_tokens)
         t = token_ids.shape[0]
         pos = torch.arange(t, device=token_ids.device)[None]
         context = self.fuse_context(hidden_states[None])
@@ -282,12 +304,12 @@ class DFlashDrafter(nn.Module):
             a = chunk[None]
             valid = torch.ones_like(a, dtype=torch.bool)
             block_ids, block_pos, lo, hi = self.make_blocks(
-                token_ids[None], pos, torch.zeros_like(pos), a, valid
+                token_ids[None], pos, torch.zeros_like(pos), a, valid, b
             )
             states = self(block_ids, block_pos, context, pos, lo, hi, drafting_slots_only=True)
             out.append(self.vocab.to_target(self.compute_logits(states[0]).argmax(-1)))
         if not out:
-            return torch.zeros(0, self.config.block_size - 1, dtype=torch.long, device=token_ids.device)
+            return torch.zeros(0, b - 1, dtype=torch.long, device=token_ids.device)
         return torch.cat(out)
 
 
