@@ -100,6 +100,16 @@ def test_cli_evaluates_the_held_out_prompts(recipe, checkpoint, capsys):
     assert report.meta["fingerprint"] == recipe.fingerprint
 
 
+def test_draft_length_option_simulates_a_shorter_served_draft(recipe, checkpoint, tmp_path, capsys):
+    args = ["evaluate", str(checkpoint), "--recipe", recipe.recipe_path, "--no-vllm"]
+    assert main([*args, "--out", str(tmp_path / "k1"), "--draft-length", "1"]) in (0, 1)
+    report = Evaluation.from_dict(json.loads((tmp_path / "k1" / "report.json").read_text()))
+    assert report.offline.draft_length == 1 and len(report.offline.per_position) == 1
+    assert report.offline.drafts > 0
+    assert main([*args, "--out", str(tmp_path / "k4"), "--draft-length", "4"]) == 1
+    assert "drafts 1 to 3 tokens, not 4" in capsys.readouterr().err
+
+
 def test_gate_failure_is_exit_code_one(recipe, checkpoint, tmp_path, capsys):
     code = main(
         [
