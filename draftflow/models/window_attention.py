@@ -5,8 +5,10 @@ Both drafters' CPU attention has the same shape: query i sees a contiguous range
 context keys ``lo[i] <= j < hi[i]`` plus the few "extra" keys of its own group (DFlash: the B
 keys of its block, non-causal; Eagle3: the earlier TTT steps' keys at its own index). Queries
 are cut into chunks; a chunk scores the context window its queries span plus its groups' extra
-keys under one mask ``[chunk queries, window + chunk extra keys]`` in one fused kernel call, so
-no ``[Q, T]`` tensor ever exists and one softmax covers both key sets.
+keys in fused kernel calls, so no ``[Q, T]`` tensor ever exists: the range of the window that
+all its queries see in one unmasked call over views of the context, the rest (the window's
+edges and the extra keys) in one call under a mask ``[chunk queries, edge keys + extra keys]``,
+merged by log-sum-exp (:class:`_Chunk`).
 
 Why an ``autograd.Function`` and not SDPA per chunk under autograd: autograd would keep every
 chunk's concatenated ``[window ; extra]`` keys and values alive until backward (at 8k tokens ×
@@ -65,7 +67,7 @@ def _chunks(lo, hi, t, group_q, max_chunk_queries, min_shared):
     """The chunks of ``max_chunk_queries // group_q`` whole groups each, with their windows."""
     per = max(1, max_chunk_queries // group_q)
     groups = lo.shape[1] // group_q
-    # one host transfer for all chunks' window bounds, not four reductions per chunk
+    # one host sync (tolist) for all chunks' window bounds, not four per chunk
     starts = list(range(0, groups, per))
     bounds = []
     for g0 in starts:

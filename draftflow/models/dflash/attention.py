@@ -112,10 +112,10 @@ def dflash_attention_chunked(
 ) -> Tensor:
     """The CPU path: one fused flash-attention call per chunk of anchors over [context window ;
     the chunk's blocks] (:func:`~draftflow.models.window_attention.grouped_window_attention`,
-    groups = blocks). A chunk's mask is [c·B, W + c·B] (its blocks see their context range and,
-    block-diagonally, themselves), so the total cost is linear in the number of anchors for a
-    fixed chunk size and no [A·B, T + A·B] tensor exists. One softmax over both key sets: no
-    log-sum-exp merge. Every query sees at least its own block, so no row is empty.
+    groups = blocks): the context range all its blocks see unmasked, the rest under a mask
+    [c·B, edges + c·B] (its blocks see their context range and, block-diagonally, themselves),
+    merged by log-sum-exp. The total cost is linear in the number of anchors for a fixed chunk
+    size and no [A·B, T + A·B] tensor exists. Every query sees at least its own block.
 
     Chunk size (``max_chunk_queries``, default :func:`chunk_queries`): the kernel scores every
     key it is given, and a chunk's keys beyond its shared context range (the span of its
