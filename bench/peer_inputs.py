@@ -199,7 +199,12 @@ def run_draftflow(folder: Path) -> dict:
     meta = json.loads((folder / "point.json").read_text())
     torch.set_num_threads(meta["threads"])
     meta, model, batch, head, anchors = load_draftflow(folder)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    from draftflow.train.loop import adamw
+
+    # the trainer's optimizer (fused AdamW on CPU, same update as the reference's torch AdamW)
+    opt = adamw(
+        [p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01
+    )  # torch's default
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times, cpu, losses = [], [], []
     for _ in range(1 + meta["steps"]):

@@ -34,6 +34,9 @@ What differs between the two steps (same result, different work):
   its Eagle3 unroll computes queries and TTT chains only at indices labelled at some step
   (the prompt's indices give their step-0 keys only); its draft head is fused into the
   soft cross-entropy (chunked, no full logits kept).
+- AdamW: both torch's, same hyperparameters and update; draftflow's trainer (and its side
+  here) uses the fused CPU kernel (``draftflow.train.loop.adamw``), the reference driver the
+  default implementation.
 """
 
 from __future__ import annotations

@@ -130,12 +130,16 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
             x = hidden[s : s + chunk]
             m = x.shape[0]
             z = torch.mm(x, weight.t(), out=buf[:m])
-            torch.argmax(z, -1, out=pred[s : s + m])
+            top, pred[s : s + m] = z.max(-1)  # the row max and the argmax in one pass
             p = torch.index_select(probs, 0, index[s : s + m], out=pbuf[:m])
             r = row_weights[s : s + m]
-            lse = torch.logsumexp(z, -1)
-            total += ((lse - torch.linalg.vecdot(z, p)) * r).sum()
-            z.sub_(lse[:, None]).exp_().sub_(p).mul_(r[:, None])  # r · (softmax - p)
+            dot = torch.linalg.vecdot(z, p)
+            # one exp pass, in place: e = exp(z - max), lse = max + log(sum e),
+            # then r · (softmax - p) = (r / sum e) · e - r · p
+            e = z.sub_(top[:, None]).exp_()
+            total_e = e.sum(-1)
+            total += ((top + total_e.log() - dot) * r).sum()
+            e.mul_((r / total_e)[:, None]).sub_(p.mul_(r[:, None]))
             torch.mm(z, weight, out=grad_hidden[s : s + m])
             if grad_weight is not None:
                 grad_weight.addmm_(z.t(), x)

@@ -5,8 +5,10 @@ Both drafters' CPU attention has the same shape: query i sees a contiguous range
 context keys ``lo[i] <= j < hi[i]`` plus the few "extra" keys of its own group (DFlash: the B
 keys of its block, non-causal; Eagle3: the earlier TTT steps' keys at its own index). Queries
 are cut into chunks; a chunk scores the context window its queries span plus its groups' extra
-keys under one mask ``[chunk queries, window + chunk extra keys]`` in one fused kernel call, so
-no ``[Q, T]`` tensor ever exists and one softmax covers both key sets.
+keys in fused kernel calls, so no ``[Q, T]`` tensor ever exists: the range of the window that
+all its queries see in one unmasked call over views of the context, the rest (the window's
+edges and the extra keys) in one call under a mask ``[chunk queries, edge keys + extra keys]``,
+merged by log-sum-exp (:class:`_Chunk`).
 
 Why an ``autograd.Function`` and not SDPA per chunk under autograd: autograd would keep every
 chunk's concatenated ``[window ; extra]`` keys and values alive until backward (at 8k tokens ×
@@ -20,6 +22,8 @@ its backward: same numerics as ``F.scaled_dot_product_attention``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,101 +31,182 @@ from torch import Tensor
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
+# A chunk's shared context range (keys every one of its queries sees) goes to its own kernel
+# call, without mask, from this many keys up: below it the second call's fixed cost outweighs
+# the saving (see _Chunk).
+MIN_SHARED_KEYS = 256
 
-def _chunks(nq: int, group_q: int, max_chunk_queries: int):
-    """(query start, query end, group start, group end) per chunk of whole groups."""
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk of whole groups: queries [s, e), groups [g0, g1), context window [k0, k1).
+
+    [c0, c1) is the part of the window that every query of the chunk sees (c0 = c1 = k1 when
+    it is not split off). It is scored by a kernel call of its own with no mask, over views of
+    the context (no copy): with sorted anchors or causal prefixes that is almost the whole
+    window at long contexts, and the unmasked kernel skips the mask add, the mask is never
+    built for it, and the keys are not concatenated. The rest ([k0, c0), [c1, k1) and the
+    groups' extra keys) is scored under a mask; the two results merge by log-sum-exp.
+    """
+
+    s: int
+    e: int
+    g0: int
+    g1: int
+    k0: int
+    k1: int
+    c0: int
+    c1: int
+
+    @property
+    def split(self) -> bool:
+        return self.c1 > self.c0
+
+
+def _chunks(lo, hi, t, group_q, max_chunk_queries, min_shared):
+    """The chunks of ``max_chunk_queries // group_q`` whole groups each, with their windows."""
     per = max(1, max_chunk_queries // group_q)
-    groups = nq // group_q
-    for g0 in range(0, groups, per):
+    groups = lo.shape[1] // group_q
+    # one host sync (tolist) for all chunks' window bounds, not four per chunk
+    starts = list(range(0, groups, per))
+    bounds = []
+    for g0 in starts:
+        s, e = g0 * group_q, min(groups, g0 + per) * group_q
+        lo_c, hi_c = lo[:, s:e].clamp(0, t), hi[:, s:e].clamp(0, t)
+        bounds.append(torch.stack([lo_c.min(), hi_c.max(), lo_c.max(), hi_c.min()]))
+    out = []
+    for g0, (k0, k1, c0, c1) in zip(starts, torch.stack(bounds).tolist() if bounds else []):
         g1 = min(groups, g0 + per)
-        yield g0 * group_q, g1 * group_q, g0, g1
+        k1 = max(k0, k1)
+        if c1 - c0 < min_shared:
+            c0 = c1 = k1
+        out.append(_Chunk(g0 * group_q, g1 * group_q, g0, g1, k0, k1, c0, c1))
+    return out
 
 
-def _chunk_keys(ctx_k, ctx_v, ek, ev, lo, hi, s, e, g0, g1, group_q, group_k, dtype):
-    """Keys/values [Bt, kv heads, W + n·group_k, hd] of one chunk, its float mask
-    [Bt, 1, queries, keys] and its context window (k0, k1)."""
-    t = ctx_k.shape[1]
-    lo_c, hi_c = lo[:, s:e], hi[:, s:e]
-    k0 = int(lo_c.min().clamp(0, t))
-    k1 = max(k0, int(hi_c.max().clamp(0, t)))
-    idx = torch.arange(k1 - k0, device=lo.device)
-    visible = (idx >= (lo_c - k0)[..., None]) & (idx < (hi_c - k0)[..., None])  # [Bt, n, W]
-    keys, values = ctx_k[:, k0:k1], ctx_v[:, k0:k1]
+def _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c: _Chunk, group_q, group_k, dtype):
+    """The masked part of chunk ``c``: keys/values [Bt, kv heads, n, hd] over the context
+    outside its shared range ([k0, c0) ; [c1, k1)) and its groups' extra keys, the float mask
+    [Bt, 1, queries, n] and whether each query [Bt, queries] sees any of them."""
+    dev = lo.device
+    idx = torch.cat([torch.arange(c.k0, c.c0, device=dev), torch.arange(c.c1, c.k1, device=dev)])
+    lo_c, hi_c = lo[:, c.s : c.e, None], hi[:, c.s : c.e, None]
+    visible = (idx >= lo_c) & (idx < hi_c)  # [Bt, n, W']
+    keys = [ctx_k[:, c.k0 : c.c0], ctx_k[:, c.c1 : c.k1]]
+    values = [ctx_v[:, c.k0 : c.c0], ctx_v[:, c.c1 : c.k1]]
     if ek is not None and group_k:
-        e0, e1 = g0 * group_k, g1 * group_k
-        owner_q = torch.arange(e - s, device=lo.device) // group_q
-        owner_k = torch.arange(e1 - e0, device=lo.device) // group_k
+        e0, e1 = c.g0 * group_k, c.g1 * group_k
+        owner_q = torch.arange(c.e - c.s, device=dev) // group_q
+        owner_k = torch.arange(e1 - e0, device=dev) // group_k
         own = (owner_q[:, None] == owner_k[None, :]).expand(visible.shape[0], -1, -1)
         visible = torch.cat([visible, own], -1)
-        keys = torch.cat([keys, ek[:, e0:e1]], 1)
-        values = torch.cat([values, ev[:, e0:e1]], 1)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=lo.device).masked_fill_(~visible, float("-inf"))
-    return keys.transpose(1, 2), values.transpose(1, 2), mask[:, None], k0, k1
+        keys.append(ek[:, e0:e1])
+        values.append(ev[:, e0:e1])
+    keys, values = [x for x in keys if x.shape[1]], [x for x in values if x.shape[1]]
+    keys = torch.cat(keys, 1) if len(keys) > 1 else keys[0] if keys else None
+    values = torch.cat(values, 1) if len(values) > 1 else values[0] if values else None
+    if keys is None:
+        return None, None, None, None
+    zero, ninf = (
+        torch.zeros((), dtype=dtype, device=dev),
+        torch.full((), float("-inf"), dtype=dtype, device=dev),
+    )
+    mask = torch.where(visible, zero, ninf)[:, None]
+    return keys.transpose(1, 2), values.transpose(1, 2), mask, visible.any(-1)
 
 
 def _sdpa_chunks(q, ctx_k, ctx_v, ek, ev, lo, hi, group_q, group_k, scale, max_chunk_queries):
     outs = []
-    for s, e, g0, g1 in _chunks(q.shape[1], group_q, max_chunk_queries):
-        keys, values, mask, _, _ = _chunk_keys(
-            ctx_k, ctx_v, ek, ev, lo, hi, s, e, g0, g1, group_q, group_k, q.dtype
-        )
+    # one masked call per chunk (no shared-range split): SDPA under autograd
+    for c in _chunks(lo, hi, ctx_k.shape[1], group_q, max_chunk_queries, min_shared=ctx_k.shape[1] + 1):
+        keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
         out = F.scaled_dot_product_attention(
-            q[:, s:e].transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            q[:, c.s : c.e].transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, 1)
 
 
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two attentions of the same queries over disjoint key sets → the attention over both
+    (out [Bt, nh, n, hd], lse [Bt, nh, n])."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * (lse_a - lse).exp_()[..., None]
+    return out.addcmul_(out_b, (lse_b - lse).exp_()[..., None]), lse
+
+
 class _GroupedWindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, ctx_k, ctx_v, ek, ev, lo, hi, group_q, group_k, scale, max_chunk_queries):
+    def forward(ctx, q, ctx_k, ctx_v, ek, ev, lo, hi, group_q, group_k, scale, max_chunk_queries, min_shared):
         bt, nq, nh, hd = q.shape
         out = q.new_empty(bt, nq, nh, hd)
         lse = torch.empty(bt, nh, nq, dtype=torch.float32, device=q.device)
-        for s, e, g0, g1 in _chunks(nq, group_q, max_chunk_queries):
-            keys, values, mask, _, _ = _chunk_keys(
-                ctx_k, ctx_v, ek, ev, lo, hi, s, e, g0, g1, group_q, group_k, q.dtype
+        chunks = _chunks(lo, hi, ctx_k.shape[1], group_q, max_chunk_queries, min_shared)
+        for c in chunks:
+            qc = q[:, c.s : c.e].transpose(1, 2)
+            keys, values, mask, seen = _masked_keys(
+                ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype
             )
-            o, lse_c = _flash(q[:, s:e].transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
-            out[:, s:e] = o.transpose(1, 2)
-            lse[:, :, s:e] = lse_c
+            if keys is not None:
+                o, lse_c = _flash(qc, keys, values, attn_mask=mask, scale=scale)
+            if c.split:
+                shared_k, shared_v = (
+                    ctx_k[:, c.c0 : c.c1].transpose(1, 2),
+                    ctx_v[:, c.c0 : c.c1].transpose(1, 2),
+                )
+                o_s, lse_s = _flash(qc, shared_k, shared_v, scale=scale)
+                if keys is not None:
+                    # a query that sees none of the masked keys: the kernel reports lse 0, not -inf
+                    lse_c.masked_fill_(~seen[:, None], float("-inf"))
+                    o, lse_c = _merge(o_s, lse_s, o, lse_c)
+                else:
+                    o, lse_c = o_s, lse_s
+            out[:, c.s : c.e] = o.transpose(1, 2)
+            lse[:, :, c.s : c.e] = lse_c
         ctx.save_for_backward(q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse)
-        ctx.args = (group_q, group_k, scale, max_chunk_queries)
+        ctx.args = (group_q, group_k, scale, chunks)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse = ctx.saved_tensors
-        group_q, group_k, scale, max_chunk_queries = ctx.args
+        group_q, group_k, scale, chunks = ctx.args
         grad_out = grad_out.contiguous()
         gq = torch.empty_like(q)
         gck, gcv = torch.zeros_like(ctx_k), torch.zeros_like(ctx_v)
         gek = torch.empty_like(ek) if ek is not None else None
         gev = torch.empty_like(ev) if ev is not None else None
-        for s, e, g0, g1 in _chunks(q.shape[1], group_q, max_chunk_queries):
-            keys, values, mask, k0, k1 = _chunk_keys(
-                ctx_k, ctx_v, ek, ev, lo, hi, s, e, g0, g1, group_q, group_k, q.dtype
-            )
-            dq, dk, dv = _flash_backward(
-                grad_out[:, s:e].transpose(1, 2),
-                q[:, s:e].transpose(1, 2),
-                keys,
-                values,
-                out[:, s:e].transpose(1, 2),
-                lse[:, :, s:e],
-                0.0,
-                False,
-                attn_mask=mask,
-                scale=scale,
-            )
-            gq[:, s:e] = dq.transpose(1, 2)
-            w = k1 - k0
-            gck[:, k0:k1] += dk[:, :, :w].transpose(1, 2)
-            gcv[:, k0:k1] += dv[:, :, :w].transpose(1, 2)
-            if gek is not None and group_k:
-                gek[:, g0 * group_k : g1 * group_k] = dk[:, :, w:].transpose(1, 2)
-                gev[:, g0 * group_k : g1 * group_k] = dv[:, :, w:].transpose(1, 2)
-        return gq, gck, gcv, gek, gev, None, None, None, None, None, None
+        for c in chunks:
+            # Each part's backward with the merged output and log-sum-exp is that part's share
+            # of the gradient: P = exp(scores - lse) and rowsum(dO · O) are the full softmax's.
+            go, qc = grad_out[:, c.s : c.e].transpose(1, 2), q[:, c.s : c.e].transpose(1, 2)
+            oc, lc = out[:, c.s : c.e].transpose(1, 2), lse[:, :, c.s : c.e]
+            keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
+            dq = None
+            if keys is not None:
+                dq, dk, dv = _flash_backward(
+                    go, qc, keys, values, oc, lc, 0.0, False, attn_mask=mask, scale=scale
+                )
+                # dk/dv rows follow the masked keys' order: [k0, c0) ; [c1, k1) ; extra keys
+                w0, w1 = c.c0 - c.k0, c.k1 - c.c1
+                gck[:, c.k0 : c.c0] += dk[:, :, :w0].transpose(1, 2)
+                gcv[:, c.k0 : c.c0] += dv[:, :, :w0].transpose(1, 2)
+                gck[:, c.c1 : c.k1] += dk[:, :, w0 : w0 + w1].transpose(1, 2)
+                gcv[:, c.c1 : c.k1] += dv[:, :, w0 : w0 + w1].transpose(1, 2)
+                if gek is not None and group_k:
+                    gek[:, c.g0 * group_k : c.g1 * group_k] = dk[:, :, w0 + w1 :].transpose(1, 2)
+                    gev[:, c.g0 * group_k : c.g1 * group_k] = dv[:, :, w0 + w1 :].transpose(1, 2)
+            if c.split:
+                shared_k, shared_v = (
+                    ctx_k[:, c.c0 : c.c1].transpose(1, 2),
+                    ctx_v[:, c.c0 : c.c1].transpose(1, 2),
+                )
+                dq_s, dk, dv = _flash_backward(go, qc, shared_k, shared_v, oc, lc, 0.0, False, scale=scale)
+                gck[:, c.c0 : c.c1] += dk.transpose(1, 2)
+                gcv[:, c.c0 : c.c1] += dv.transpose(1, 2)
+                dq = dq_s if dq is None else dq.add_(dq_s)
+            gq[:, c.s : c.e] = dq.transpose(1, 2)
+        return gq, gck, gcv, gek, gev, None, None, None, None, None, None, None
 
 
 def grouped_window_attention(
@@ -136,6 +221,7 @@ def grouped_window_attention(
     group_k: int,
     scale: float,
     max_chunk_queries: int = 128,
+    min_shared_keys: int = MIN_SHARED_KEYS,
 ) -> Tensor:
     """q [Bt, G·group_q, nh, hd]; ctx_k/ctx_v [Bt, T, nkv, hd]; lo/hi [Bt, G·group_q];
     extra_k/extra_v [Bt, G·group_k, nkv, hd] or None. Query i sees context keys
@@ -144,7 +230,8 @@ def grouped_window_attention(
 
     Chunks hold whole groups, about ``max_chunk_queries`` queries each: the kernel scores
     every key of a chunk's window, so small chunks keep the masked-out share small when
-    windows grow with the query index (sorted anchors, causal prefixes)."""
+    windows grow with the query index (sorted anchors, causal prefixes). A chunk's shared
+    range of at least ``min_shared_keys`` keys is scored unmasked on its own (:class:`_Chunk`)."""
     if extra_k is None:
         group_k = 0
     if q.device.type != "cpu":  # the kernels are CPU ones: SDPA per chunk under autograd
@@ -152,5 +239,5 @@ def grouped_window_attention(
             q, ctx_k, ctx_v, extra_k, extra_v, lo, hi, group_q, group_k, scale, max_chunk_queries
         )
     return _GroupedWindowAttention.apply(
-        q, ctx_k, ctx_v, extra_k, extra_v, lo, hi, group_q, group_k, scale, max_chunk_queries
+        q, ctx_k, ctx_v, extra_k, extra_v, lo, hi, group_q, group_k, scale, max_chunk_queries, min_shared_keys
     )

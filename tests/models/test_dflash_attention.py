@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -261,3 +262,67 @@ def test_chunked_sdpa_path_equals_the_log_sum_exp_reference_across_chunks():
     g_fast = torch.autograd.grad((fast * weights).sum(), (q, k, v, ck, cv))
     for fast_g, ref_g in zip(g_fast, g_ref):
         torch.testing.assert_close(fast_g, ref_g, rtol=1e-4, atol=1e-5)
+
+
+def _grads(out, weights, leaves):
+    return torch.autograd.grad((out * weights).sum(), leaves)
+
+
+def test_shared_range_split_equals_the_reference_with_gradient():
+    """A chunk's shared context range scored unmasked in its own kernel call and merged by
+    log-sum-exp (window_attention._Chunk) gives the single-call values and gradients: blocks
+    whose windows start at different document starts (masked keys on both sides of the
+    shared range) and, without extra keys, causal queries that see none of the masked keys."""
+    from draftflow.models.window_attention import _chunks, grouped_window_attention
+
+    torch.manual_seed(5)
+    bt, a, b, nh, nkv, hd, t = 2, 40, 4, 6, 2, 16, 400
+    leaves = [
+        torch.randn(bt, a * b, nh, hd, requires_grad=True),
+        *(torch.randn(bt, t, nkv, hd, requires_grad=True) for _ in range(2)),
+        *(torch.randn(bt, a * b, nkv, hd, requires_grad=True) for _ in range(2)),
+    ]
+    q, ck, cv, k, v = leaves
+    hi = torch.sort(torch.randint(150, t, (bt, a)), dim=1).values.repeat_interleave(b, 1)
+    lo = torch.randint(0, 60, (bt, a)).repeat_interleave(b, 1)
+    assert any(c.split and c.c0 > c.k0 for c in _chunks(lo, hi, t, b, 20, 1))
+    ref = dflash_attention_merged(
+        q.view(bt, a, b, nh, hd), k.view(bt, a, b, nkv, hd), v.view(bt, a, b, nkv, hd), ck, cv,
+        lo[:, ::b], hi[:, ::b], 0.25,
+    ).reshape(bt, a * b, nh, hd)  # fmt: skip
+    weights = torch.randn_like(ref)
+    g_ref = _grads(ref, weights, leaves)
+    for min_shared in (1, 10**9):  # split in every chunk / in none
+        fast = grouped_window_attention(q, ck, cv, lo, hi, k, v, b, b, 0.25, 20, min_shared)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        for g_fast, g in zip(_grads(fast, weights, leaves), g_ref):
+            torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
+
+    # causal, no extra keys: the first query of a chunk sees only the shared range
+    n = 40
+    lo, hi = torch.zeros(1, n, dtype=torch.long), torch.arange(1, n + 1)[None]
+    q, ck, cv = (torch.randn(1, n, h, 8, requires_grad=True) for h in (4, 2, 2))
+    visible = torch.arange(n)[None, :] < hi[0, :, None]
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        ck.transpose(1, 2),
+        cv.transpose(1, 2),
+        attn_mask=visible,
+        scale=0.3,
+        enable_gqa=True,
+    ).transpose(1, 2)
+    fast = grouped_window_attention(q, ck, cv, lo, hi, None, None, 1, 0, 0.3, 8, 1)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(ref)
+    for g_fast, g in zip(_grads(fast, weights, (q, ck, cv)), _grads(ref, weights, (q, ck, cv))):
+        torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_size_follows_the_mean_window():
+    from draftflow.models.dflash.attention import chunk_queries
+
+    zero = torch.zeros(1, 8, dtype=torch.long)
+    assert chunk_queries(zero, zero + 500) == 64  # short windows: small chunks
+    assert chunk_queries(zero, zero + 3200) == 200
+    assert chunk_queries(zero, zero + 8000) == 256
+    assert chunk_queries(zero[:, :0], zero[:, :0]) == 64

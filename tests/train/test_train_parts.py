@@ -133,3 +133,27 @@ def test_step_plan_counts_each_epoch_on_its_own():
     lengths = [len(plan.steps(e)) for e in range(6)]
     assert plan.epoch_lengths == lengths and plan.total_steps == sum(lengths)
     assert len(set(lengths)) > 1, "packing after each epoch's shuffle gives epochs of different lengths"
+
+
+def test_trainer_adamw_is_fused_on_cpu_and_updates_like_torchs_default():
+    from draftflow.train.loop import adamw
+
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(5, 7, generator=g), torch.randn(7, generator=g)]
+    grads = [[torch.randn_like(p) for p in init] for _ in range(3)]
+    params = {}
+    for name, make in (
+        ("trainer", lambda ps: adamw(ps, lr=1e-2, weight_decay=0.1)),
+        ("default", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    ):
+        ps = [torch.nn.Parameter(p.clone()) for p in init]
+        opt = make(ps)
+        for step in grads:
+            for p, gr in zip(ps, step):
+                p.grad = gr.clone()
+            opt.step()
+        params[name] = ps
+        if name == "trainer":
+            assert opt.param_groups[0]["fused"]
+    for a, b in zip(params["trainer"], params["default"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
