@@ -204,10 +204,8 @@ class DFlashSection(Section):
     speculative_tokens: int | None = Field(
         None,
         ge=1,
-        description="Tokens drafted per step when served (vLLM builds a block of this + 1 slots; the "
-        "weights serve any length up to block_size - 1). None: block_size - 1. Each drafted token "
-        "costs a verification slot: on a CPU, where that is ~10% of a decode step, 1 or 2 pays more "
-        "than a long draft of weak later positions (bench/quality.py --draft-lengths measures it).",
+        description="Tokens drafted per step when served, 1..block_size - 1 (None: block_size - 1). Each "
+        "costs a verification slot (~10% of a CPU decode step): bench/quality.py --draft-lengths.",
     )
     max_anchors: int = Field(512, ge=1, description="Blocks sampled per packed sequence.")
     num_layers: int = Field(1, ge=1)
