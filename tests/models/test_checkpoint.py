@@ -125,6 +125,17 @@ def weights_of(folder) -> dict[str, tuple]:
         return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
 
 
+def export(drafter, synthetic, folder, **kw):
+    """``drafter`` exported for the synthetic target (layer ids AUX) into ``folder``."""
+    return drafter.export(
+        folder,
+        verifier_name_or_path=synthetic.target_dir,
+        verifier_architectures=["LlamaForCausalLM"],
+        aux_layer_ids=AUX,
+        **kw,
+    )
+
+
 def dflash_outputs(model, batch):
     start, end, _ = batch.documents()
     anchors = sample_anchors(batch.loss_mask, start, end, 4, 16, torch.Generator().manual_seed(0))
@@ -146,12 +157,7 @@ def eagle3_outputs(model, batch):
 
 def test_dflash_export_file_contract(synthetic, tmp_path):
     model = dflash_model(synthetic)
-    folder = DFlash(model).export(
-        tmp_path / "d",
-        verifier_name_or_path=synthetic.target_dir,
-        verifier_architectures=["LlamaForCausalLM"],
-        aux_layer_ids=AUX,
-    )
+    folder = export(DFlash(model), synthetic, tmp_path / "d")
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     for key in REQUIRED_ALWAYS + REQUIRED_DFLASH:
         assert key in cfg, key
@@ -172,12 +178,7 @@ def test_dflash_export_file_contract(synthetic, tmp_path):
 
 def test_eagle3_export_file_contract(synthetic, tmp_path):
     model = eagle3_model(synthetic, norm_before_residual=False)
-    folder = Eagle3(model, speculative_tokens=5).export(
-        tmp_path / "e",
-        verifier_name_or_path=synthetic.target_dir,
-        verifier_architectures=["LlamaForCausalLM"],
-        aux_layer_ids=AUX,
-    )
+    folder = export(Eagle3(model, speculative_tokens=5), synthetic, tmp_path / "e")
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     for key in REQUIRED_ALWAYS + REQUIRED_EAGLE3:
         assert key in cfg, key
@@ -218,12 +219,7 @@ def test_export_load_roundtrip_gives_identical_outputs(synthetic, tmp_path, kind
     else:
         model, outputs = eagle3_model(synthetic), eagle3_outputs
         drafter = Eagle3(model, speculative_tokens=3)
-    folder = drafter.export(
-        tmp_path / kind,
-        verifier_name_or_path=synthetic.target_dir,
-        verifier_architectures=["LlamaForCausalLM"],
-        aux_layer_ids=AUX,
-    )
+    folder = export(drafter, synthetic, tmp_path / kind)
     reloaded = load_drafter(folder)  # embeddings come from the verifier named in config.json
     assert type(reloaded) is type(drafter) and reloaded.speculative_tokens == drafter.speculative_tokens
     loaded = reloaded.model
@@ -231,13 +227,7 @@ def test_export_load_roundtrip_gives_identical_outputs(synthetic, tmp_path, kind
     for a, b in zip(outputs(model, batch), outputs(loaded, batch)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # bf16 on disk: the loaded model is the bf16 cast of the original
-    folder16 = drafter.export(
-        tmp_path / f"{kind}16",
-        verifier_name_or_path=synthetic.target_dir,
-        verifier_architectures=["LlamaForCausalLM"],
-        aux_layer_ids=AUX,
-        dtype=torch.bfloat16,
-    )
+    folder16 = export(drafter, synthetic, tmp_path / f"{kind}16", dtype=torch.bfloat16)
     assert json.loads((folder16 / EXPORT_CONFIG).read_text())["torch_dtype"] == "bfloat16"
     loaded16 = load_drafter(folder16).model
     assert loaded16.fc.weight.dtype == torch.bfloat16
@@ -251,12 +241,7 @@ def test_dflash_served_shorter_than_its_block_exports_and_loads_that_draft_lengt
     from dataclasses import replace
 
     model = dflash_model(synthetic).eval()
-    folder = DFlash(model, speculative_tokens=1).export(
-        tmp_path / "d1",
-        verifier_name_or_path=synthetic.target_dir,
-        verifier_architectures=["LlamaForCausalLM"],
-        aux_layer_ids=AUX,
-    )
+    folder = export(DFlash(model, speculative_tokens=1), synthetic, tmp_path / "d1")
     cfg = json.loads((folder / EXPORT_CONFIG).read_text())
     assert cfg["block_size"] == 4
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 1
