@@ -52,13 +52,13 @@ class _Stop:
     def _handle(self, signum, frame):
         self.requested = True
 
-    def release(self):
-        """After the loop. Once a stop was agreed, the checkpoint is written and the process is
-        on its way to exit 143: a further SIGTERM must not kill it there. torchrun sends one to
-        every rank still running as soon as the first rank exits, and a rank killed by it
-        reports -15 instead of its clean 143 (the handler stays, still only setting the flag)."""
-        if not self.requested:
-            signal.signal(signal.SIGTERM, self._previous)
+    def release(self, stopping: bool):
+        """After the loop. Once a stop was agreed (on any rank), the checkpoint is written and the
+        process is on its way to exit 143: a further SIGTERM must not kill it there. torchrun sends
+        one to every rank still running as soon as the first rank exits, and a rank killed by it
+        reports -15 instead of its clean 143. Ignored, not caught: Python puts the handlers it
+        installed back to the default at interpreter shutdown, where that signal tends to land."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else self._previous)
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -129,6 +129,7 @@ def train(
         start_step=state.epoch_step,
     )
     stop = _Stop()
+    stopping = False
     last: dict = {}
     window = _Window()
     try:
@@ -190,7 +191,7 @@ def train(
             if stopping:
                 return LoopResult(state.step, resumed, True, last, found.torn)
     finally:
-        stop.release()
+        stop.release(stopping)
         if monitor is not None:
             monitor.close()
     return LoopResult(state.step, resumed, False, last, found.torn)
