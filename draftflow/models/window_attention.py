@@ -62,6 +62,10 @@ class _Chunk:
     def split(self) -> bool:
         return self.c1 > self.c0
 
+    def shared(self, ctx_k: Tensor, ctx_v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys/values [Bt, kv heads, c1 - c0, hd] of the shared range: views, no copy."""
+        return ctx_k[:, self.c0 : self.c1].transpose(1, 2), ctx_v[:, self.c0 : self.c1].transpose(1, 2)
+
 
 def _chunks(lo, hi, t, group_q, max_chunk_queries, min_shared):
     """The chunks of ``max_chunk_queries // group_q`` whole groups each, with their windows."""
@@ -150,11 +154,7 @@ class _GroupedWindowAttention(torch.autograd.Function):
             if keys is not None:
                 o, lse_c = _flash(qc, keys, values, attn_mask=mask, scale=scale)
             if c.split:
-                shared_k, shared_v = (
-                    ctx_k[:, c.c0 : c.c1].transpose(1, 2),
-                    ctx_v[:, c.c0 : c.c1].transpose(1, 2),
-                )
-                o_s, lse_s = _flash(qc, shared_k, shared_v, scale=scale)
+                o_s, lse_s = _flash(qc, *c.shared(ctx_k, ctx_v), scale=scale)
                 if keys is not None:
                     # a query that sees none of the masked keys: the kernel reports lse 0, not -inf
                     lse_c.masked_fill_(~seen[:, None], float("-inf"))
@@ -197,11 +197,9 @@ class _GroupedWindowAttention(torch.autograd.Function):
                     gek[:, c.g0 * group_k : c.g1 * group_k] = dk[:, :, w0 + w1 :].transpose(1, 2)
                     gev[:, c.g0 * group_k : c.g1 * group_k] = dv[:, :, w0 + w1 :].transpose(1, 2)
             if c.split:
-                shared_k, shared_v = (
-                    ctx_k[:, c.c0 : c.c1].transpose(1, 2),
-                    ctx_v[:, c.c0 : c.c1].transpose(1, 2),
+                dq_s, dk, dv = _flash_backward(
+                    go, qc, *c.shared(ctx_k, ctx_v), oc, lc, 0.0, False, scale=scale
                 )
-                dq_s, dk, dv = _flash_backward(go, qc, shared_k, shared_v, oc, lc, 0.0, False, scale=scale)
                 gck[:, c.c0 : c.c1] += dk.transpose(1, 2)
                 gcv[:, c.c0 : c.c1] += dv.transpose(1, 2)
                 dq = dq_s if dq is None else dq.add_(dq_s)
