@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_evaluate(args) -> int:
     from draftflow.evaluation.contract import ContractError
-    from draftflow.evaluation.offline import LosslessError
+    from draftflow.evaluation.offline import DraftLengthError, LosslessError
     from draftflow.evaluation.run import (
         AgreementError,
         EvaluationError,
@@ -60,7 +60,7 @@ def cmd_evaluate(args) -> int:
                 {"num_speculative_tokens": args.draft_length} if args.draft_length is not None else None
             ),
         )
-    except (ContractError, AgreementError, LosslessError, EvaluationError, ValueError) as err:
+    except (ContractError, AgreementError, LosslessError, EvaluationError, DraftLengthError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(evaluation.markdown(), end="")

@@ -44,6 +44,10 @@ from draftflow.models.algorithm import DrafterAlgorithm, DraftState
 from draftflow.models.target_weights import resolve_model_dir
 
 
+class DraftLengthError(ValueError):
+    """A draft length the checkpoint's kind cannot serve (a DFlash length beyond its block)."""
+
+
 class LosslessError(AssertionError):
     """Speculative decoding produced another output than the target's plain greedy decoding."""
 
@@ -333,7 +337,10 @@ def checkpoint_proposer(
     overrides the exported draft length where the kind allows it."""
     drafter = load_drafter(folder, target=target, dtype=torch.float32)
     if draft_length is not None:
-        drafter = type(drafter)(drafter.model, speculative_tokens=draft_length)
+        try:
+            drafter = type(drafter)(drafter.model, speculative_tokens=draft_length)
+        except ValueError as err:
+            raise DraftLengthError(f"draft length {draft_length}: {err}") from err
     return DrafterProposer(drafter, checkpoint_info(folder)["aux_layer_ids"])
 
 
