@@ -83,8 +83,11 @@ def init_runtime(preference: str = "auto") -> Runtime:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     if device.type == "cpu" and world > 1:
-        # Ranks share the host's cores; oversubscription makes every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        # Ranks share their node's cores (those this process may run on: a container's cpuset or
+        # taskset, not the host's count) with the other ranks of that node only; oversubscription
+        # makes every rank slower, and dividing by the world size starves multi-node runs.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     return Runtime(rank, world, local_rank, device)
 
 

@@ -157,3 +157,53 @@ def test_trainer_adamw_is_fused_on_cpu_and_updates_like_torchs_default():
             assert opt.param_groups[0]["fused"]
     for a, b in zip(params["trainer"], params["default"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+_REPORT_THREADS = """
+import torch
+from draftflow.train.runtime import init_runtime, shutdown
+runtime = init_runtime("cpu")
+print(torch.get_num_threads(), flush=True)
+shutdown(runtime)
+"""
+
+
+@pytest.mark.parametrize("one_core", [False, True], ids=["all-cores", "taskset-one-core"])
+def test_cpu_ranks_of_different_nodes_each_get_their_nodes_cores(one_core):
+    """Two nodes of one process each (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1): a rank shares its
+    cores with the ranks of its own node only, and only with the cores it may run on."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prefix = ["taskset", "-c", str(max(os.sched_getaffinity(0)))] if one_core else []
+    procs = [
+        subprocess.Popen(
+            [*prefix, sys.executable, "-c", _REPORT_THREADS],
+            env={
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    threads = [int(out.split()[-1]) for out in outputs]
+    allowed = 1 if one_core else len(os.sched_getaffinity(0))
+    assert threads == [allowed, allowed]
