@@ -87,7 +87,8 @@ def init_runtime(preference: str = "auto") -> Runtime:
         # taskset, not the host's count) with the other ranks of that node only; oversubscription
         # makes every rank slower, and dividing by the world size starves multi-node runs.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // local_world))
     return Runtime(rank, world, local_rank, device)
 
 
