@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from draftflow.train import checkpointing
 from draftflow.train.metrics import MetricsLog, parse_line
 from draftflow.train.packing import Item, epoch_order, global_steps, pack, rank_share
 from draftflow.train.schedule import lr_factor
+from draftflow.vllm.launch import free_port
 
 
 def _items(n: int, seed: int = 0) -> list[Item]:
@@ -172,14 +176,7 @@ shutdown(runtime)
 def test_cpu_ranks_of_different_nodes_each_get_their_nodes_cores(one_core):
     """Two nodes of one process each (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1): a rank shares its
     cores with the ranks of its own node only, and only with the cores it may run on."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     prefix = ["taskset", "-c", str(max(os.sched_getaffinity(0)))] if one_core else []
     procs = [
         subprocess.Popen(
