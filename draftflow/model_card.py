@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from draftflow.evaluation.report import AcceptanceReport, Evaluation
+from draftflow.evaluation.report import AcceptanceReport, Evaluation, rounds_text
 from draftflow.recipe.schema import Recipe
 
 CHART_FILE = "acceptance.png"
@@ -89,7 +89,7 @@ def _verdict(evaluation: Evaluation) -> list[str]:
         lines.append(
             f"- decode speed in vLLM (batch 1): {t['with_drafter_tok_s']:.1f} tok/s with the "
             "drafter, "
-            f"{t['without_drafter_tok_s']:.1f} without (speedup {t['speedup']:.2f}x)"
+            f"{t['without_drafter_tok_s']:.1f} without (speedup {t['speedup']:.2f}x{rounds_text(t)})"
         )
     for r in (evaluation.offline, vllm):
         if r and r.outputs_identical is not None:

@@ -107,6 +107,13 @@ MALFORMED = [
     ("unknown-nested-key", lambda d: _set(d, "drafter.blocksize", 8), [], "drafter.blocksize", "unknown key"),
     ("wrong-type", lambda d: _set(d, "training.epochs", "three"), [], "training.epochs", "integer"),
     (
+        "speed-rounds-zero",
+        lambda d: _set(d, "evaluation.speed_rounds", 0),
+        [],
+        "evaluation.speed_rounds",
+        "greater than or equal to 1",
+    ),
+    (
         "block-size-below-2",
         lambda d: _set(d, "drafter.block_size", 1),
         [],

@@ -271,13 +271,15 @@ def evaluate_in_vllm(
     prompt_names: Sequence[str] | None = None,
     speculative_config: dict | None = None,
     measure_baseline: bool = True,
+    speed_rounds: int = 1,
     request_timeout_s: float = 600.0,
 ) -> VLLMResult:
     """Serve the target with ``checkpoint_dir`` as its drafter and read vLLM's own acceptance.
 
     speculative_config: extra ``--speculative-config`` JSON merged in by vLLM (e.g.
     ``{"num_speculative_tokens": 5}``). measure_baseline: also serve the plain target (the
-    verifier in config.json) for throughput and the lossless check.
+    verifier in config.json) for throughput and the lossless check. speed_rounds: with
+    measure_baseline, decode the prompts this many times on each side (see :func:`speed_rounds_order`).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -316,15 +318,18 @@ def evaluate_in_vllm(
         report.notes.append(f"counters report accepted positions {extra} beyond the draft length {k}")
     baseline = None
     if measure_baseline:
-        base = _generate(
-            server_factory, info["verifier"], None, prompts, max_new_tokens, False, request_timeout_s
-        )
-        baseline = base.outputs
-        report.throughput = {
-            "with_drafter_tok_s": run.tokens_per_s,
-            "without_drafter_tok_s": base.tokens_per_s,
-            "speedup": run.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
+        sides = {
+            True: (str(checkpoint_dir), speculative_config),
+            False: (info["verifier"], None),
         }
+        timed: dict[bool, list[GenerationRun]] = {True: [run], False: []}
+        for with_drafter in speed_rounds_order(speed_rounds)[1:]:
+            model, config = sides[with_drafter]
+            timed[with_drafter].append(
+                _generate(server_factory, model, config, prompts, max_new_tokens, False, request_timeout_s)
+            )
+        baseline = timed[False][0].outputs
+        report.throughput = speed_summary(timed[True], timed[False])
         same = [a == b for a, b in zip(run.outputs, baseline)]
         report.outputs_identical = sum(same)
         report.notes += [
@@ -334,6 +339,36 @@ def evaluate_in_vllm(
             if not ok
         ]
     return VLLMResult(report, run.outputs, baseline)
+
+
+def speed_rounds_order(rounds: int) -> list[bool]:
+    """Which side each server start decodes, True = with the drafter: D T, then T D, D T, ...
+    Every round has one of each, and alternating which goes first cancels a host load that
+    drifts steadily over the measurement. The first is always the drafter's (acceptance is
+    scraped there)."""
+    order = []
+    for r in range(rounds):
+        order += [True, False] if r % 2 == 0 else [False, True]
+    return order
+
+
+def speed_summary(with_drafter: Sequence[GenerationRun], without: Sequence[GenerationRun]) -> dict:
+    """Decode speed pooled over the rounds (all completion tokens / all request time, per
+    side), their ratio, and each round's own ratio: the spread says how far to trust it."""
+
+    def pooled(runs: Sequence[GenerationRun]) -> float:
+        seconds = sum(r.seconds for r in runs)
+        return sum(len(o) for r in runs for o in r.outputs) / seconds if seconds > 0 else 0.0
+
+    fast, slow = pooled(with_drafter), pooled(without)
+    return {
+        "with_drafter_tok_s": fast,
+        "without_drafter_tok_s": slow,
+        "speedup": fast / slow if slow else 0.0,
+        "rounds": [
+            d.tokens_per_s / t.tokens_per_s if t.tokens_per_s else 0.0 for d, t in zip(with_drafter, without)
+        ],
+    }
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:

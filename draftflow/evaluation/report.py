@@ -36,6 +36,14 @@ class PromptAcceptance:
         return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
 
 
+def rounds_text(throughput: dict) -> str:
+    """'' for one round; else how many alternating rounds were pooled and each one's speed-up."""
+    rounds = throughput.get("rounds") or []
+    if len(rounds) < 2:
+        return ""
+    return f", pooled over {len(rounds)} alternating rounds: " + " / ".join(f"{r:.2f}x" for r in rounds)
+
+
 @dataclass
 class AcceptanceReport:
     source: str  # "offline" | "vllm"
@@ -207,7 +215,9 @@ class Evaluation:
                 "",
                 f"Decode throughput in vLLM (batch size 1, completion tokens / request time): "
                 f"{t['with_drafter_tok_s']:.1f} tok/s with the drafter, "
-                f"{t['without_drafter_tok_s']:.1f} tok/s without (speedup {t['speedup']:.2f}x).",
+                f"{t['without_drafter_tok_s']:.1f} tok/s without (speedup {t['speedup']:.2f}x"
+                + rounds_text(t)
+                + ").",
             ]
         gap = self.relative_gap
         if gap is not None:

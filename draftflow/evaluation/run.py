@@ -108,6 +108,7 @@ def evaluate_prompts(
     strict_contract: bool = True,
     speculative_config: dict | None = None,
     measure_baseline: bool = True,
+    speed_rounds: int = 1,
     model=None,
     meta: dict | None = None,
     storage_options: dict | None = None,
@@ -157,6 +158,7 @@ def evaluate_prompts(
             prompt_names=prompt_names,
             speculative_config=speculative_config,
             measure_baseline=measure_baseline,
+            speed_rounds=speed_rounds,
         )
         same = sum(a == b for a, b in zip(run.vllm.outputs, run.offline.outputs))
         run.vllm.report.notes.append(f"{same}/{len(prompts)} outputs identical to the offline simulator's")
@@ -327,6 +329,7 @@ def evaluate_checkpoint(
         strict_contract=strict_contract,
         speculative_config=speculative_config,
         measure_baseline=ev.measure_speedup,
+        speed_rounds=ev.speed_rounds,
         meta=meta,
         storage_options=storage_options,
     )

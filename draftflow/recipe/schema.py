@@ -362,6 +362,15 @@ class EvaluationSection(Section):
         description="With in_vllm: also serve the target alone and report the decode speed-up (one more "
         "server start); false skips it.",
     )
+    speed_rounds: int = Field(
+        1,
+        ge=1,
+        le=20,
+        description="With measure_speedup: decode the prompts this many times with the drafter and as many "
+        "without it, each on a fresh server, in alternating order (D T, T D, D T, ...) so that a drifting "
+        "host load cancels out; the speed-up is pooled over the rounds and each round's is reported "
+        "(2 more server starts per extra round).",
+    )
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
         "held_out",
         description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "

@@ -60,6 +60,13 @@ def report_for(
         meta={"recipe": "publish-core"},
         checkpoint_digest=checkpoint_digest(checkpoint) if digest == "auto" else digest,
     )
+    if evaluation.vllm:
+        evaluation.vllm.throughput = {
+            "with_drafter_tok_s": 50.0,
+            "without_drafter_tok_s": 40.0,
+            "speedup": 1.25,
+            "rounds": [1.2, 1.3],
+        }
     return evaluation.write(out)["report"]
 
 
@@ -116,6 +123,7 @@ def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(
     assert published.location in card  # the serve command reads the published copy
     assert f"vllm serve ./{tiny_llama_dir.name} --speculative-config" in card
     assert "| offline simulator | 4 | 20 | 1.800 |" in card and "| vLLM | 4 | 20 | 1.750 |" in card
+    assert "speedup 1.25x, pooled over 2 alternating rounds: 1.20x / 1.30x)" in card
     assert "![Per-position acceptance](acceptance.png)" in card
     assert "sharegpt `chats.jsonl` (≤ 100 conversations)" in card and "3 epoch(s)" in card
     assert "data fingerprint `test-fp`" in card and re.search(r"recipe fingerprint `[0-9a-f]{16}`", card)

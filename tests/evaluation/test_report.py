@@ -7,8 +7,14 @@ import struct
 
 import pytest
 
-from draftflow.evaluation.in_vllm import SpecDecodeMetricsMissing, parse_spec_counters
-from draftflow.evaluation.report import AcceptanceReport, Evaluation, PromptAcceptance
+from draftflow.evaluation.in_vllm import (
+    GenerationRun,
+    SpecDecodeMetricsMissing,
+    parse_spec_counters,
+    speed_rounds_order,
+    speed_summary,
+)
+from draftflow.evaluation.report import AcceptanceReport, Evaluation, PromptAcceptance, rounds_text
 
 
 def report(source: str, drafts: int, accepted: int, per_pos: list[int], k: int = 3) -> AcceptanceReport:
@@ -136,3 +142,36 @@ def test_prometheus_counters_summed_over_label_sets_without_created_samples():
 def test_server_without_drafter_has_no_counters():
     with pytest.raises(SpecDecodeMetricsMissing, match="runs no drafter"):
         parse_spec_counters('vllm:num_requests_running{engine="0"} 0.0\n')
+
+
+def test_speed_rounds_alternate_which_side_goes_first():
+    assert speed_rounds_order(1) == [True, False]
+    assert speed_rounds_order(3) == [True, False, False, True, True, False]
+    # every round decodes once with the drafter and once without
+    order = speed_rounds_order(4)
+    assert [sorted(order[i : i + 2]) for i in range(0, 8, 2)] == [[False, True]] * 4
+
+
+def test_speed_is_pooled_over_rounds_and_each_round_is_kept():
+    # round 1: 100 tokens in 2 s with, 100 in 4 s without (2x); round 2: 50 in 2 s vs 50 in 2 s (1x)
+    with_drafter = [GenerationRun([[1] * 60, [2] * 40], 2.0), GenerationRun([[3] * 50], 2.0)]
+    without = [GenerationRun([[1] * 100], 4.0), GenerationRun([[3] * 50], 2.0)]
+    t = speed_summary(with_drafter, without)
+    assert t["with_drafter_tok_s"] == pytest.approx(150 / 4.0)
+    assert t["without_drafter_tok_s"] == pytest.approx(150 / 6.0)
+    assert t["speedup"] == pytest.approx(1.5)
+    assert t["rounds"] == pytest.approx([2.0, 1.0])
+    assert rounds_text(t) == ", pooled over 2 alternating rounds: 2.00x / 1.00x"
+    assert rounds_text(speed_summary(with_drafter[:1], without[:1])) == ""
+
+
+def test_markdown_names_the_rounds_of_a_pooled_speedup(tmp_path):
+    ev = evaluation()
+    ev.vllm.throughput = {
+        "with_drafter_tok_s": 30.0,
+        "without_drafter_tok_s": 20.0,
+        "speedup": 1.5,
+        "rounds": [1.4, 1.6, 1.5],
+    }
+    md = ev.write(tmp_path / "eval")["summary"].read_text()
+    assert "speedup 1.50x, pooled over 3 alternating rounds: 1.40x / 1.60x / 1.50x)." in md
