@@ -216,7 +216,9 @@ async def _generate(
     dropped: Counter = Counter()
     decided = 0  # attempts 0..decided-1 have been judged
 
-    prompts = stage("self-generating prompts", budget, unit="prompts")
+    # The total is the attempts scheduled so far, not the whole budget: a budget of 3x the prompts
+    # wanted made the bar and its ETA promise three times the work that was usually needed.
+    prompts = stage("self-generating prompts", None, unit="prompts")
 
     async def first(i: int) -> None:
         if i not in partial.firsts:
@@ -236,6 +238,7 @@ async def _generate(
                 else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
             )
             batch = range(decided, min(budget, decided + size))
+            prompts.update(total=batch.stop)
             await run_pool(batch, first, concurrency)
             for i in batch:
                 if len(kept) == settings.num_prompts:

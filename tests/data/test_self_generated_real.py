@@ -23,6 +23,7 @@ from draftflow.data.cleaning import estimated_jaccard, minhash, normalise, shing
 from draftflow.data.self_generated import SelfGenerationError
 from draftflow.extraction.run import prepare_data
 from draftflow.plan import Plan
+from draftflow.progress import ProgressSnapshot, reporting
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "0:self_generated"
@@ -31,6 +32,7 @@ GENERATION = {
     "topics": ["coding", "math", "trivia", "advice"],
     "max_tokens": 32,
     "temperature": 1.0,
+    "max_attempts_ratio": 4,  # a budget of 40 attempts, more than the first batch (32)
 }
 
 
@@ -77,10 +79,17 @@ def prepared(plan: Plan) -> tuple[dict, list[list[dict]]]:
 
 
 @pytest.fixture(scope="module")
-def first_run(plain_server, smollm2_dir, tmp_path_factory):
+def first_run_progress(plain_server, smollm2_dir, tmp_path_factory) -> tuple[Plan, list[ProgressSnapshot]]:
     plan = Plan.load(write_recipe(tmp_path_factory.mktemp("first"), smollm2_dir, plain_server.url))
-    assert prepare_data(plan)
-    return plan
+    snapshots: list[ProgressSnapshot] = []
+    with reporting(snapshots.append):
+        assert prepare_data(plan)
+    return plan, snapshots
+
+
+@pytest.fixture(scope="module")
+def first_run(first_run_progress) -> Plan:
+    return first_run_progress[0]
 
 
 def test_self_generated_preparation_is_clean_and_counts_every_drop(first_run):
@@ -112,6 +121,18 @@ def test_self_generated_preparation_is_clean_and_counts_every_drop(first_run):
     for i in range(len(prompts)):
         for j in range(i):
             assert estimated_jaccard(signatures[i], signatures[j]) < 0.7, (prompts[i], prompts[j])
+
+
+def test_prompt_progress_counts_the_attempts_made_not_the_whole_budget(first_run_progress):
+    plan, snapshots = first_run_progress
+    prompts = [s for s in snapshots if s.label == "self-generating prompts"]
+    last = prompts[-1]
+    generation = prepared(plan)[0]["self_generated"][LABEL]
+    assert last.finished and last.done == last.total, last
+    # 10 prompts were kept out of the first batch of 32 attempts: the bar never announced the
+    # 40-attempt budget (ETA and percentage then promised work that was not needed).
+    assert generation["attempted"] <= last.total == 32 < 40
+    assert all(s.total is not None and s.done <= s.total <= 32 for s in prompts)
 
 
 def test_kill_during_generation_then_resume_generates_only_the_rest_and_same_seed_same_data(
