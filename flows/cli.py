@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         ("demo", "the `make demo` job: `pipeline` on the default recipe"),
     ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("recipe", nargs="?", default="smollm2-135m-dflash-cpu-quality")
+        p.add_argument("recipe", nargs="?", default="smollm2-135m-dflash-cpu-demo")
         add_overrides(p)
         p.set_defaults(func=_pipeline)
     blocks = sub.add_parser("blocks", help="Prefect blocks of draftflow (servers, stores, destinations)")
