@@ -225,8 +225,7 @@ class DFlashSection(Section):
         "about a third more compute (bench/gpu.py measures both).",
     )
     init_from_target: bool = Field(
-        False,
-        description="Start the decoder layers from the target's last layers instead of random weights.",
+        False, description="Start the decoder layers from the target's last ones, not random weights."
     )
 
     @model_validator(mode="after")
@@ -358,18 +357,10 @@ class EvaluationSection(Section):
     )
     in_vllm: bool = True
     measure_speedup: bool = Field(
-        True,
-        description="With in_vllm: also serve the target alone and report the decode speed-up (one more "
-        "server start); false skips it.",
+        True, description="With in_vllm: also time the target alone (one more server) for the speed-up."
     )
     speed_rounds: int = Field(
-        1,
-        ge=1,
-        le=20,
-        description="With measure_speedup: decode the prompts this many times with the drafter and as many "
-        "without it, each on a fresh server, in alternating order (D T, T D, D T, ...) so that a drifting "
-        "host load cancels out; the speed-up is pooled over the rounds and each round's is reported "
-        "(2 more server starts per extra round).",
+        1, ge=1, le=20, description="Speed-up rounds: D T, T D, ... on fresh servers, pooled (README)."
     )
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
         "held_out",
