@@ -357,8 +357,7 @@ def speed_summary(with_drafter: Sequence[GenerationRun], without: Sequence[Gener
     side), their ratio, and each round's own ratio: the spread says how far to trust it."""
 
     def pooled(runs: Sequence[GenerationRun]) -> float:
-        seconds = sum(r.seconds for r in runs)
-        return sum(len(o) for r in runs for o in r.outputs) / seconds if seconds > 0 else 0.0
+        return GenerationRun([o for r in runs for o in r.outputs], sum(r.seconds for r in runs)).tokens_per_s
 
     fast, slow = pooled(with_drafter), pooled(without)
     return {
