@@ -338,7 +338,24 @@ def evaluate_in_vllm(
             for n, ok, a, b in zip(names, same, run.outputs, baseline)
             if not ok
         ]
+        report.notes += later_round_differences(timed[True][1:], timed[False][1:], baseline)
     return VLLMResult(report, run.outputs, baseline)
+
+
+def later_round_differences(
+    with_drafter: Sequence[GenerationRun], without: Sequence[GenerationRun], baseline: Sequence[Sequence[int]]
+) -> list[str]:
+    """Greedy decoding is deterministic, so every speed pass past the first pair must reproduce
+    the target's first outputs; a pass that does not is named (and times different work)."""
+    notes = []
+    for side, runs in (("with the drafter", with_drafter), ("target alone", without)):
+        for n, r in enumerate(runs, start=2):
+            differ = sum(a != b for a, b in zip(r.outputs, baseline))
+            if differ:
+                notes.append(
+                    f"speed pass {n} {side}: {differ}/{len(baseline)} outputs differ from the target's first"
+                )
+    return notes
 
 
 def speed_rounds_order(rounds: int) -> list[bool]:

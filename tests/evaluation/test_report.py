@@ -10,6 +10,7 @@ import pytest
 from draftflow.evaluation.in_vllm import (
     GenerationRun,
     SpecDecodeMetricsMissing,
+    later_round_differences,
     parse_spec_counters,
     speed_rounds_order,
     speed_summary,
@@ -175,3 +176,15 @@ def test_markdown_names_the_rounds_of_a_pooled_speedup(tmp_path):
     }
     md = ev.write(tmp_path / "eval")["summary"].read_text()
     assert "speedup 1.50x, pooled over 3 alternating rounds: 1.40x / 1.60x / 1.50x)." in md
+
+
+def test_later_speed_passes_must_reproduce_the_targets_first_outputs():
+    baseline = [[1, 2, 3], [4, 5]]
+    same = GenerationRun([[1, 2, 3], [4, 5]], 1.0)
+    assert later_round_differences([same, same], [same], baseline) == []
+    drifted = GenerationRun([[1, 2, 3], [4, 6]], 1.0)
+    notes = later_round_differences([same, drifted], [drifted], baseline)
+    assert notes == [
+        "speed pass 3 with the drafter: 1/2 outputs differ from the target's first",
+        "speed pass 2 target alone: 1/2 outputs differ from the target's first",
+    ]
