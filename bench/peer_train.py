@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,27 @@ POINTS = [
     ("dflash-8k-512", "dflash", 8192, 512, 0, 1),
     ("dflash-8k-1024", "dflash", 8192, 1024, 0, 1),
 ]
+
+
+def host_cpu() -> str:
+    """The CPU the figures were measured on: model name, logical CPUs and widest vector ISA.
+    Ratios move between hosts (the reference's step runs twice as fast on some 2-core hosts
+    as on others while draftflow's moves less), so a table is only read with its host."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = next((name for flag, name in _ISA if flag in flags), "no AVX")
+    return f"{model}, {os.cpu_count()} CPUs, {isa}"
+
+
+_ISA = [("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")]
 
 
 def run_child(cmd: list[str], timeout: int) -> dict:
@@ -184,11 +206,12 @@ def main() -> None:
         )
     peer_python = ensure_peer_venv()
     rows = measure(points, args.reps, args.threads, peer_python, args.timeout)
+    host = host_cpu()
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"host": host, "rows": rows}, indent=1))
     print(
         f"\n## training step vs speculators 0.9.0 (same inputs, {args.threads} threads, load: "
-        f"{os.getloadavg()[0]:.1f})"
+        f"{os.getloadavg()[0]:.1f}; {host})"
     )
     print("\n".join(summarise(rows)))
 

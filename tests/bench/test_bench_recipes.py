@@ -7,22 +7,12 @@ benchmark whose recipe leaves its server's folder out fails every request
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from draftflow.extraction.shards import staging_folders
 from draftflow.plan import Plan
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def args_of(module, monkeypatch, *argv: str) -> argparse.Namespace:
@@ -33,7 +23,7 @@ def args_of(module, monkeypatch, *argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
 def test_fp8_bench_recipe_accepts_its_servers_files(
-    tmp_path: Path, smollm2_dir: Path, dtype: str, monkeypatch
+    tmp_path: Path, smollm2_dir: Path, dtype: str, monkeypatch, bench_module
 ):
     fp8 = bench_module("fp8")
     args = args_of(fp8, monkeypatch, "--model", str(smollm2_dir))
@@ -44,7 +34,7 @@ def test_fp8_bench_recipe_accepts_its_servers_files(
 
 
 def test_generation_bench_recipe_accepts_the_extraction_servers_files(
-    tmp_path: Path, smollm2_dir: Path, monkeypatch
+    tmp_path: Path, smollm2_dir: Path, monkeypatch, bench_module
 ):
     generation = bench_module("generation")
     args = args_of(generation, monkeypatch, "--model", str(smollm2_dir))

@@ -1,0 +1,23 @@
+"""Benchmarks live in bench/ as scripts, not a package: tests load them by file."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def bench_module():
+    """``bench_module("fp8")``: the script bench/fp8.py as a module."""
+    return load_bench
