@@ -110,7 +110,8 @@ class VLLMServers:
             return self.current[1]
         self.stop()  # the launcher's host lock makes other test sessions wait, not hang
         port = free_port()
-        settings = {"max_model_len": 1024, **settings}  # the tests' prompts are short
+        # the tests' prompts are short; all cores compute, as in the shipped CPU recipes
+        settings = {"max_model_len": 1024, "cpu_reserved_cores": 0, **settings}
         spec = LaunchSpec(
             python=self.python,
             model=str(model),

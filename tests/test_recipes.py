@@ -107,6 +107,13 @@ MALFORMED = [
     ("unknown-nested-key", lambda d: _set(d, "drafter.blocksize", 8), [], "drafter.blocksize", "unknown key"),
     ("wrong-type", lambda d: _set(d, "training.epochs", "three"), [], "training.epochs", "integer"),
     (
+        "reserved-cores-negative",
+        lambda d: _set(d, "vllm.launch.cpu_reserved_cores", -1),
+        [],
+        "vllm.launch.cpu_reserved_cores",
+        "greater than or equal to 0",
+    ),
+    (
         "speed-rounds-zero",
         lambda d: _set(d, "evaluation.speed_rounds", 0),
         [],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -23,6 +25,9 @@ def test_vllm_fixture_is_the_real_server_serving_smollm2(vllm_servers, smollm2_d
         timeout=60,
     ).json()
     assert "Paris" in reply["choices"][0]["message"]["content"]
+    # cpu_reserved_cores: 0 (the CPU recipes' setting) leaves no core out of vLLM's compute threads
+    log = Path(server.spec.log_path).read_text()
+    assert "reserve_cpu_num=0" in log and "reserved_cpus=[]" in log, log[-3000:]
 
 
 def test_smollm2_target_is_a_real_pretrained_model(smollm2_dir):

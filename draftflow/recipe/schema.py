@@ -171,6 +171,12 @@ class VLLMLaunchSection(Section):
         "/dev/shm/draftflow-hidden-states",
         description="Where vLLM writes hidden-state files; separate from the store.",
     )
+    cpu_reserved_cores: int | None = Field(
+        None,
+        ge=0,
+        description="device cpu: cores kept free of vLLM's compute threads. None: vLLM's own choice "
+        "(one core for its front end). 0 on small hosts: on 2 cores every stage decodes faster.",
+    )
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(600.0, gt=0)

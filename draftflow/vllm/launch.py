@@ -56,6 +56,7 @@ class LaunchSpec:
     extract_layer_ids: list[int] | None = None
     staging_dir: str | None = None
     speculative_config: dict | None = None
+    cpu_reserved_cores: int | None = None  # the recipe's vllm.launch.cpu_reserved_cores (None: vLLM's choice)
     # Where operators put credentials (--api-key, HF_TOKEN): kept out of the repr.
     extra_args: list[str] = field(default_factory=list, repr=False)
     env: dict[str, str] = field(default_factory=dict, repr=False)
@@ -76,6 +77,7 @@ class LaunchSpec:
             port=port,
             device=launch.device,
             max_model_len=launch.max_model_len,
+            cpu_reserved_cores=launch.cpu_reserved_cores,
             extra_args=list(launch.extra_args),
             env=dict(launch.env),
             **fields,
@@ -139,6 +141,9 @@ def build_env(spec: LaunchSpec) -> dict[str, str]:
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
     if spec.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if spec.cpu_reserved_cores is not None:
+            # vLLM keeps one core free of its OpenMP threads by default: half of a 2-core host.
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(spec.cpu_reserved_cores)
     # The server must import our connector (and plugins) without importing the rest of draftflow.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     if spec.api_key:

@@ -7,7 +7,7 @@ import pytest
 
 from draftflow.evaluation.in_vllm import LaunchServerFactory
 from draftflow.recipe.schema import VLLMLaunchSection
-from draftflow.vllm.launch import LaunchSpec
+from draftflow.vllm.launch import LaunchSpec, build_env
 
 
 def test_a_spec_takes_device_and_length_from_the_section_and_has_no_defaults_of_its_own():
@@ -28,3 +28,15 @@ def test_the_evaluator_factory_is_built_from_the_typed_section():
     assert LaunchServerFactory(VLLMLaunchSection()).dtype == "auto"
     spec = LaunchSpec.from_section(factory.launch, model="m", port=1, dtype=factory.dtype)
     assert (spec.device, spec.max_model_len, spec.extra_args) == ("cpu", 2048, ["--enforce-eager"])
+
+
+def test_reserved_cores_reach_a_cpu_server_and_only_when_set():
+    reserved = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+    every_core = VLLMLaunchSection(device="cpu", cpu_reserved_cores=0)
+    assert build_env(LaunchSpec.from_section(every_core, model="m", port=1))[reserved] == "0"
+    vllms_choice = LaunchSpec.from_section(VLLMLaunchSection(device="cpu"), model="m", port=1)
+    on_gpu = LaunchSpec.from_section(VLLMLaunchSection(cpu_reserved_cores=0), model="m", port=1)
+    assert reserved not in build_env(vllms_choice) and reserved not in build_env(on_gpu)
+    # the recipe's own env still has the last word
+    mine = VLLMLaunchSection(device="cpu", cpu_reserved_cores=0, env={reserved: "1"})
+    assert build_env(LaunchSpec.from_section(mine, model="m", port=1))[reserved] == "1"
