@@ -3,10 +3,9 @@
 This module is the only place defaults live. YAML files set what differs from here; code
 reads the validated object and never calls ``.get(key, default)`` on raw dicts.
 
-Checks that need nothing but the recipe run when the object is built (pydantic
-validators). Checks that need the target model's config (layer ids in range, draft vocab
-within the target vocab) live in :mod:`draftflow.recipe.checks`, because that config may
-not be readable (a hub id on an offline machine).
+Checks that need nothing but the recipe run when the object is built (pydantic validators).
+Checks that need the target model's config (layer ids in range, draft vocab within the target
+vocab) live in :mod:`draftflow.recipe.checks`: that config may not be readable (offline hub id).
 """
 
 from __future__ import annotations
@@ -162,8 +161,7 @@ class VLLMLaunchSection(Section):
     """How to start a vLLM server when none answers at the endpoint."""
 
     python: str = Field(
-        "${DRAFTFLOW_HOME}/vllm-venv/bin/python",
-        description="Python interpreter of the virtualenv that has vLLM installed.",
+        "${DRAFTFLOW_HOME}/vllm-venv/bin/python", description="Python of the vLLM virtualenv."
     )
     device: Literal["cpu", "cuda"] = "cuda"
     max_model_len: int = Field(4096, ge=16)
@@ -171,12 +169,8 @@ class VLLMLaunchSection(Section):
         "/dev/shm/draftflow-hidden-states",
         description="Where vLLM writes hidden-state files; separate from the store.",
     )
-    cpu_reserved_cores: int | None = Field(
-        None,
-        ge=0,
-        description="device cpu: cores kept free of vLLM's compute threads. None: vLLM's own choice "
-        "(one core for its front end). 0 on small hosts: on 2 cores every stage decodes faster.",
-    )
+    # device cpu: cores kept free of vLLM's compute threads (None: vLLM's own choice, one core)
+    cpu_reserved_cores: int | None = Field(None, ge=0)
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(600.0, gt=0)
