@@ -92,9 +92,8 @@ def measure(args: argparse.Namespace, reserved: int | None, prompts: list[str], 
     server = ServerProcess(server_spec(args, reserved, drafter)).start()
     try:
         server.wait_healthy(600)
-        stream = prompts[:: max(1, len(prompts) // args.stream_prompts)][
-            : args.stream_prompts
-        ]  # every category
+        step = max(1, len(prompts) // args.stream_prompts)  # spread over every category
+        stream = prompts[::step][: args.stream_prompts]
         out = {"stream": asyncio.run(decode(server.spec.url, args.model, stream, 1, args.max_tokens))}
         if not drafter:
             batch = prompts[: args.batch_prompts]
@@ -136,9 +135,8 @@ def main() -> None:
             print(f"| {case}, {label} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
     if args.drafter:
         for name in SETTINGS:
-            print(
-                f"drafter speed-up, {name}: {rows[(name, 'drafter', 'stream')] / rows[(name, 'target', 'stream')]:.2f}x"
-            )
+            speedup = rows[(name, "drafter", "stream")] / rows[(name, "target", "stream")]
+            print(f"drafter speed-up, {name}: {speedup:.2f}x")
     print(json.dumps({" / ".join(k): v for k, v in rows.items()}))
 
 
