@@ -1,6 +1,7 @@
 """The recipe schema: every field a recipe may set, with its default and its meaning.
 
-This module is the only place defaults live. YAML files set what differs from here; code
+This module is the only place defaults live (with the sections it imports: the `prefect`
+section in :mod:`draftflow.recipe.prefect_section`). YAML files set what differs from here; code
 reads the validated object and never calls ``.get(key, default)`` on raw dicts.
 
 Checks that need nothing but the recipe run when the object is built (pydantic validators).
@@ -13,16 +14,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from draftflow.recipe.prefect_section import PrefectSection
+from draftflow.recipe.section import Section
+
 Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3", "float8_e5m2"]
-
-
-class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors, so a typo never goes unseen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class TargetSection(Section):
@@ -169,8 +167,12 @@ class VLLMLaunchSection(Section):
         "/dev/shm/draftflow-hidden-states",
         description="Where vLLM writes hidden-state files; separate from the store.",
     )
-    # device cpu: cores kept free of vLLM's compute threads (None: vLLM's own choice, one core)
-    cpu_reserved_cores: int | None = Field(None, ge=0)
+    cpu_reserved_cores: int | None = Field(
+        None,
+        ge=0,
+        description="device cpu: cores kept free of vLLM's compute threads (VLLM_CPU_NUM_OF_RESERVED_CPU); "
+        "None: vLLM's own choice (one core). 0 lets a small host compute on every core.",
+    )
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(600.0, gt=0)
@@ -285,6 +287,13 @@ class TrainingSection(Section):
     loss: Literal["tokens", "target_logits"] = Field(
         "tokens", description="Cross-entropy to the data's tokens or to the target's distribution."
     )
+    feature_noise: float = Field(
+        0.0,
+        ge=0,
+        description="Gaussian noise on the target hidden states the drafter reads in training steps (never "
+        "in validation), as a fraction of each token's RMS per layer; 0 = none. A regulariser for small "
+        "data sets: the drafter learns not to lean on details of the stored states.",
+    )
     nproc: int = Field(1, ge=1, description="Processes per node (torchrun --nproc-per-node).")
     nnodes: int = Field(
         1, ge=1, description="Machines; each runs `draftflow train RECIPE --node-rank K` (K = 0..nnodes-1)."
@@ -378,54 +387,6 @@ class PublishSection(Section):
     destination: str | None = Field(
         None, description="fsspec URL, or hf://OWNER/REPO for the Hugging Face Hub; None = do not push."
     )
-
-
-LOCAL_DASK_WORKERS = 2
-
-
-class PrefectSection(Section):
-    """Where the Prefect flows run their extraction shard tasks (the `draftflow extract` command and
-    torchrun never read this: they run shards in their own process)."""
-
-    task_runner: Literal["threads", "dask"] = Field(
-        "threads",
-        description="threads: Prefect's thread pool inside the flow-run process. dask: prefect-dask's "
-        "DaskTaskRunner, one shard task at a time per Dask worker process.",
-    )
-    address: str | None = Field(
-        None,
-        description="task_runner dask: tcp://HOST:PORT of a running Dask scheduler whose workers have this "
-        "checkout importable; None: the flow starts a distributed.LocalCluster of `workers` processes.",
-    )
-    workers: int | None = Field(
-        None,
-        ge=1,
-        description="task_runner dask without an address: worker processes of the local cluster; "
-        f"None: {LOCAL_DASK_WORKERS}.",
-    )
-
-    @field_validator("address")
-    @classmethod
-    def _scheduler_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"(tcp|tls)://[^\s/:]+:\d{1,5}", value):
-            raise ValueError(f"{value!r} is not a scheduler address of the form tcp://HOST:PORT")
-        return value
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PrefectSection:
-        # Contradictions are errors, not silently ignored settings.
-        # By value, not by which fields were given: an exported recipe.yaml holds every field.
-        if self.task_runner != "dask" and (self.address is not None or self.workers is not None):
-            raise ValueError("prefect.address and prefect.workers apply only to prefect.task_runner: dask")
-        if self.address is not None and self.workers is not None:
-            raise ValueError(
-                "prefect.workers sizes the local cluster only; the cluster at prefect.address has its own"
-            )
-        return self
-
-    @property
-    def local_workers(self) -> int:
-        return self.workers or LOCAL_DASK_WORKERS
 
 
 class Recipe(Section):
