@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -247,6 +247,17 @@ class PackedBatch:
         if pos is None:
             pos = torch.arange(doc_ids.shape[1], device=doc_ids.device) - start
         return start, end, pos.long()
+
+
+def with_feature_noise(batch: PackedBatch, relative_std: float, generator: torch.Generator) -> PackedBatch:
+    """The batch with Gaussian noise on the context states the drafter reads: each token's
+    state in each layer gets noise of ``relative_std`` times its own RMS (layers differ in
+    scale by orders of magnitude). The target's last layer, which the KL loss turns into the
+    target's distribution, stays exact."""
+    h = batch.hidden_states
+    rms = h.float().pow(2).mean(-1, keepdim=True).sqrt_()
+    noise = torch.randn(h.shape, generator=generator, device=h.device, dtype=torch.float32)
+    return replace(batch, hidden_states=noise.mul_(rms.mul_(relative_std)).add_(h).to(h.dtype))
 
 
 def document_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -52,6 +52,11 @@ NOT_COMPARED = frozenset(
 )
 
 
+# Settings added after runs were first recorded, with the value that means "off": recorded only
+# when set, so a run saved before they existed still resumes under the same recipe.
+RECORDED_WHEN_SET = {"feature_noise": 0.0}
+
+
 class TrainingRefused(RuntimeError):
     """The trainer will not start; the message says why and what to do."""
 
@@ -66,7 +71,11 @@ class RunSettingsChanged(TrainingRefused):
 
 def run_settings(recipe, world_size: int, skipped: list[str]) -> dict:
     """What decides the run's result: the optimisation, the drafter, the global batch, the data left out."""
-    training = {k: v for k, v in recipe.training.model_dump(mode="json").items() if k not in NOT_COMPARED}
+    training = {
+        k: v
+        for k, v in recipe.training.model_dump(mode="json").items()
+        if k not in NOT_COMPARED and RECORDED_WHEN_SET.get(k, object()) != v
+    }
     ids = "\n".join(sorted(skipped)).encode()
     return {
         "training": training,

@@ -16,6 +16,7 @@ from draftflow.models.common import (
     merge_attention,
     range_attention_dense,
     range_attention_flex,
+    with_feature_noise,
 )
 
 
@@ -150,3 +151,28 @@ def test_rope_theta_from_target_configs():
     }
     assert rope_theta(gemma) == 1e6
     assert rope_theta({"rope_theta": 5e5}) == 5e5 and rope_theta({}) == 1e4
+
+
+def test_feature_noise_is_relative_to_each_tokens_scale_per_layer_and_leaves_the_target_exact():
+    g = torch.Generator().manual_seed(0)
+    # two layers four orders of magnitude apart, tokens of different scale within each
+    scale = torch.tensor([1.0, 1e4])[None, None, :, None] * torch.linspace(0.5, 8, 256)[None, :, None, None]
+    hidden = torch.randn(1, 256, 2, 512, generator=g) * scale
+    batch = PackedBatch(
+        input_ids=torch.arange(256)[None],
+        hidden_states=hidden,
+        loss_mask=torch.ones(1, 256),
+        last_hidden=torch.randn(1, 256, 512, generator=g),
+    )
+    noisy = with_feature_noise(batch, 0.1, torch.Generator().manual_seed(1))
+    rms = hidden.pow(2).mean(-1, keepdim=True).sqrt()
+    relative = (noisy.hidden_states - hidden) / rms  # unit-free: the same spread at every scale
+    for layer in range(2):
+        for tokens in (slice(0, 32), slice(224, 256)):
+            std = relative[0, tokens, layer].std().item()
+            assert abs(std - 0.1) < 0.01, (layer, tokens, std)
+    assert noisy.last_hidden is batch.last_hidden and noisy.input_ids is batch.input_ids
+    assert torch.equal(batch.hidden_states, hidden)  # the loader's tensor is not modified in place
+    again = with_feature_noise(batch, 0.1, torch.Generator().manual_seed(1))
+    assert torch.equal(again.hidden_states, noisy.hidden_states)  # seeded: a resumed step draws the same
+    assert torch.equal(with_feature_noise(batch, 0.0, torch.Generator()).hidden_states, hidden)

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +205,22 @@ def test_cpu_ranks_of_different_nodes_each_get_their_nodes_cores(one_core):
     threads = [int(out.split()[-1]) for out in outputs]
     allowed = 1 if one_core else len(os.sched_getaffinity(0))
     assert threads == [allowed, allowed]
+
+
+def test_feature_noise_is_a_compared_setting_and_runs_recorded_before_it_still_resume(tmp_path):
+    from draftflow.recipe import load_recipe
+    from draftflow.train.run_state import RunSettingsChanged, check_settings, run_settings
+
+    demo = str(Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-dflash-cpu-demo.yaml")
+    plain = run_settings(load_recipe(demo), 1, [])
+    assert "feature_noise" not in plain["training"]  # off: recorded as runs recorded it before
+    noisy = run_settings(load_recipe(demo, ["training.feature_noise=0.05"]), 1, [])
+    assert noisy["training"]["feature_noise"] == 0.05
+
+    layout = RunLayout(str(tmp_path / "run"))
+    check_settings(layout, plain)  # a run recorded without the field...
+    (Path(layout.checkpoints_dir) / "step-00000001").mkdir(parents=True)
+    (Path(layout.checkpoints_dir) / "step-00000001" / CHECKPOINT_COMPLETE).touch()
+    check_settings(layout, run_settings(load_recipe(demo), 1, []))  # ...resumes under the same recipe
+    with pytest.raises(RunSettingsChanged, match=r"training.feature_noise: '\(unset\)' -> 0.05"):
+        check_settings(layout, noisy)
