@@ -105,13 +105,13 @@ class VLLMServers:
         self.current: tuple[tuple, ServerProcess] | None = None
 
     def get(self, model: Path | str, **settings) -> ServerProcess:
-        key = (str(model), repr(sorted(settings.items())))
+        # the tests' prompts are short; all cores compute, as in the shipped CPU recipes
+        settings = {"max_model_len": 1024, "cpu_reserved_cores": 0, **settings}
+        key = (str(model), repr(sorted(settings.items())))  # the settings in effect, defaults included
         if self.current and self.current[0] == key and self.current[1].proc.poll() is None:
             return self.current[1]
         self.stop()  # the launcher's host lock makes other test sessions wait, not hang
         port = free_port()
-        # the tests' prompts are short; all cores compute, as in the shipped CPU recipes
-        settings = {"max_model_len": 1024, "cpu_reserved_cores": 0, **settings}
         spec = LaunchSpec(
             python=self.python,
             model=str(model),
