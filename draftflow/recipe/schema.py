@@ -159,7 +159,8 @@ class VLLMLaunchSection(Section):
     """How to start a vLLM server when none answers at the endpoint."""
 
     python: str = Field(
-        "${DRAFTFLOW_HOME}/vllm-venv/bin/python", description="Python of the vLLM virtualenv."
+        "${DRAFTFLOW_HOME}/vllm-venv/bin/python",
+        description="Python interpreter of the virtualenv that has vLLM installed.",
     )
     device: Literal["cpu", "cuda"] = "cuda"
     max_model_len: int = Field(4096, ge=16)

@@ -73,7 +73,7 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> t
 NOISE_SEED_OFFSET = 7919
 
 
-def anchor_generator(seed: int, step: int, pack_index: int, device: torch.device) -> torch.Generator:
+def step_generator(seed: int, step: int, pack_index: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + step) * 10_007 + pack_index)
     return g
@@ -146,10 +146,10 @@ def train(
             loss_sum = torch.zeros((), device=runtime.device)
             for packed, gidx in zip(batch.packs, batch.global_index):
                 packed = _to(packed, runtime.device)
-                gen = anchor_generator(training.seed, state.step, gidx, runtime.device)
+                gen = step_generator(training.seed, state.step, gidx, runtime.device)
                 if training.feature_noise:
                     # its own stream: the anchors drawn from `gen` stay those of a run without noise
-                    noise = anchor_generator(
+                    noise = step_generator(
                         training.seed + NOISE_SEED_OFFSET, state.step, gidx, runtime.device
                     )
                     packed = with_feature_noise(packed, training.feature_noise, noise)

@@ -219,8 +219,8 @@ def test_feature_noise_is_a_compared_setting_and_runs_recorded_before_it_still_r
 
     layout = RunLayout(str(tmp_path / "run"))
     check_settings(layout, plain)  # a run recorded without the field...
-    (Path(layout.checkpoints_dir) / "step-00000001").mkdir(parents=True)
-    (Path(layout.checkpoints_dir) / "step-00000001" / CHECKPOINT_COMPLETE).touch()
+    Path(layout.checkpoint(1)).mkdir(parents=True)
+    (Path(layout.checkpoint(1)) / CHECKPOINT_COMPLETE).touch()  # a checkpoint to resume from
     check_settings(layout, run_settings(load_recipe(demo), 1, []))  # ...resumes under the same recipe
     with pytest.raises(RunSettingsChanged, match=r"training.feature_noise: '\(unset\)' -> 0.05"):
         check_settings(layout, noisy)
