@@ -260,6 +260,13 @@ def with_feature_noise(batch: PackedBatch, relative_std: float, generator: torch
     return replace(batch, hidden_states=noise.mul_(rms.mul_(relative_std)).add_(h).to(h.dtype))
 
 
+def with_every_position_labelled(batch: PackedBatch) -> PackedBatch:
+    """The batch with every token counting for the loss, not only the assistant's: packs hold
+    whole documents end to end with no padding, so every position has a next token and, for
+    the target-logits loss, the target's distribution."""
+    return replace(batch, loss_mask=torch.ones_like(batch.loss_mask))
+
+
 def document_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     """For each token, the index of its document's first token and one past its last.
 

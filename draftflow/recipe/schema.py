@@ -295,6 +295,13 @@ class TrainingSection(Section):
         "in validation), as a fraction of each token's RMS per layer; 0 = none. A regulariser for small "
         "data sets: the drafter learns not to lean on details of the stored states.",
     )
+    loss_positions: Literal["assistant", "all"] = Field(
+        "assistant",
+        description="Tokens the training loss is taken at: the assistant's replies (what the drafter drafts "
+        "when served) or every token of each conversation, prompts and chat template included (more "
+        "positions from the same data; with loss target_logits each one has the target's distribution "
+        "as its label). Validation always counts the assistant's tokens.",
+    )
     nproc: int = Field(1, ge=1, description="Processes per node (torchrun --nproc-per-node).")
     nnodes: int = Field(
         1, ge=1, description="Machines; each runs `draftflow train RECIPE --node-rank K` (K = 0..nnodes-1)."

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftflow.models.common import with_feature_noise
+from draftflow.models.common import with_every_position_labelled, with_feature_noise
 from draftflow.paths import RunLayout
 from draftflow.train import checkpointing
 from draftflow.train.batches import Source, StepLoader, StepPlan
@@ -146,6 +146,8 @@ def train(
             loss_sum = torch.zeros((), device=runtime.device)
             for packed, gidx in zip(batch.packs, batch.global_index):
                 packed = _to(packed, runtime.device)
+                if training.loss_positions == "all":
+                    packed = with_every_position_labelled(packed)
                 gen = step_generator(training.seed, state.step, gidx, runtime.device)
                 if training.feature_noise:
                     # its own stream: the anchors drawn from `gen` stay those of a run without noise

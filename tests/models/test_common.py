@@ -16,6 +16,7 @@ from draftflow.models.common import (
     merge_attention,
     range_attention_dense,
     range_attention_flex,
+    with_every_position_labelled,
     with_feature_noise,
 )
 
@@ -176,3 +177,16 @@ def test_feature_noise_is_relative_to_each_tokens_scale_per_layer_and_leaves_the
     again = with_feature_noise(batch, 0.1, torch.Generator().manual_seed(1))
     assert torch.equal(again.hidden_states, noisy.hidden_states)  # seeded: a resumed step draws the same
     assert torch.equal(with_feature_noise(batch, 0.0, torch.Generator()).hidden_states, hidden)
+
+
+def test_every_position_labelled_counts_prompt_tokens_and_keeps_the_rest():
+    batch = PackedBatch(
+        input_ids=torch.arange(6)[None],
+        hidden_states=torch.randn(1, 6, 2, 4),
+        loss_mask=torch.tensor([[0, 0, 1, 1, 0, 1]], dtype=torch.uint8),
+        doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1]]),
+    )
+    every = with_every_position_labelled(batch)
+    assert every.loss_mask.tolist() == [[1] * 6] and every.loss_mask.dtype == torch.uint8
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1]]  # the loader's batch is untouched
+    assert every.hidden_states is batch.hidden_states and every.doc_ids is batch.doc_ids

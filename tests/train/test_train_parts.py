@@ -207,20 +207,25 @@ def test_cpu_ranks_of_different_nodes_each_get_their_nodes_cores(one_core):
     assert threads == [allowed, allowed]
 
 
-def test_feature_noise_is_a_compared_setting_and_runs_recorded_before_it_still_resume(tmp_path):
+@pytest.mark.parametrize(
+    ("field", "value", "shown"), [("feature_noise", "0.05", "0.05"), ("loss_positions", "all", "'all'")]
+)
+def test_settings_added_later_are_compared_and_runs_recorded_before_them_still_resume(
+    tmp_path, field, value, shown
+):
     from draftflow.recipe import load_recipe
     from draftflow.train.run_state import RunSettingsChanged, check_settings, run_settings
 
     demo = str(Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-dflash-cpu-demo.yaml")
     plain = run_settings(load_recipe(demo), 1, [])
-    assert "feature_noise" not in plain["training"]  # off: recorded as runs recorded it before
-    noisy = run_settings(load_recipe(demo, ["training.feature_noise=0.05"]), 1, [])
-    assert noisy["training"]["feature_noise"] == 0.05
+    assert field not in plain["training"]  # off: recorded as runs recorded it before
+    changed = run_settings(load_recipe(demo, [f"training.{field}={value}"]), 1, [])
+    assert str(changed["training"][field]) == value
 
     layout = RunLayout(str(tmp_path / "run"))
     check_settings(layout, plain)  # a run recorded without the field...
     Path(layout.checkpoint(1)).mkdir(parents=True)
     (Path(layout.checkpoint(1)) / CHECKPOINT_COMPLETE).touch()  # a checkpoint to resume from
     check_settings(layout, run_settings(load_recipe(demo), 1, []))  # ...resumes under the same recipe
-    with pytest.raises(RunSettingsChanged, match=r"training.feature_noise: '\(unset\)' -> 0.05"):
-        check_settings(layout, noisy)
+    with pytest.raises(RunSettingsChanged, match=rf"training.{field}: '\(unset\)' -> {shown}"):
+        check_settings(layout, changed)
