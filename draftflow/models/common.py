@@ -261,9 +261,10 @@ def with_feature_noise(batch: PackedBatch, relative_std: float, generator: torch
 
 
 def with_every_position_labelled(batch: PackedBatch) -> PackedBatch:
-    """The batch with every token counting for the loss, not only the assistant's: packs hold
-    whole documents end to end with no padding, so every position has a next token and, for
-    the target-logits loss, the target's distribution."""
+    """The batch with every token counting for the loss, not only the assistant's. Packs hold
+    whole documents end to end with no padding, so every position is a real token (with the
+    target's distribution for the target-logits loss); the losses' document bounds still keep
+    each label inside its own document."""
     return replace(batch, loss_mask=torch.ones_like(batch.loss_mask))
 
 
