@@ -34,6 +34,8 @@ CPU_CONNECTOR_MODULE = "draftflow.vllm.cpu_connector"
 CPU_CONNECTOR_CLASS = "CPUHiddenStatesConnector"
 STOCK_CONNECTOR_CLASS = "ExampleHiddenStatesConnector"
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+# Read by the draftflow vLLM plugin (plugins/draftflow_vllm_cpu/engine_start.py); without it, ignored.
+CPU_ENGINE_START_ENV = "DRAFTFLOW_VLLM_CPU_ENGINE_START"
 
 
 def free_port() -> int:
@@ -57,6 +59,8 @@ class LaunchSpec:
     staging_dir: str | None = None
     speculative_config: dict | None = None
     cpu_reserved_cores: int | None = None  # the recipe's vllm.launch.cpu_reserved_cores (None: vLLM's choice)
+    # the recipe's vllm.launch.cpu_engine_start (None: vLLM's choice); unset: the schema's default
+    cpu_engine_start: str | None = VLLMLaunchSection.model_fields["cpu_engine_start"].default
     # Where operators put credentials (--api-key, HF_TOKEN): kept out of the repr.
     extra_args: list[str] = field(default_factory=list, repr=False)
     env: dict[str, str] = field(default_factory=dict, repr=False)
@@ -78,6 +82,7 @@ class LaunchSpec:
             device=launch.device,
             max_model_len=launch.max_model_len,
             cpu_reserved_cores=launch.cpu_reserved_cores,
+            cpu_engine_start=launch.cpu_engine_start,
             extra_args=list(launch.extra_args),
             env=dict(launch.env),
             **fields,
@@ -144,6 +149,8 @@ def build_env(spec: LaunchSpec) -> dict[str, str]:
         if spec.cpu_reserved_cores is not None:
             # vLLM keeps one core free of its OpenMP threads by default: half of a 2-core host.
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(spec.cpu_reserved_cores)
+        if spec.cpu_engine_start is not None:
+            env[CPU_ENGINE_START_ENV] = spec.cpu_engine_start
     # The server must import our connector (and plugins) without importing the rest of draftflow.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     if spec.api_key:

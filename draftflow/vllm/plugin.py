@@ -18,8 +18,10 @@ from pathlib import Path
 
 from draftflow.models.known_issues import DFLASH_CPU_K_NORM
 
-__all__ = ["DFLASH_CPU_K_NORM", "PLUGIN_NAME", "installed_fixes"]
+__all__ = ["CPU_ENGINE_START", "DFLASH_CPU_K_NORM", "PLUGIN_NAME", "installed_fixes"]
 
+#: The plugin forks vLLM's CPU engine core when ``vllm.launch.cpu_engine_start`` says ``fork``.
+CPU_ENGINE_START = "cpu-engine-start-from-env"
 PLUGIN_NAME = "draftflow_vllm_cpu"
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "plugins" / PLUGIN_NAME
 

@@ -1,23 +1,70 @@
-"""bench/cpu_cores.py compares the two settings it names: only the every-core server gets the
-reservation of 0, both get the same model, dtype and flags, and ratios pool all repeats."""
+"""bench/cpu_cores.py compares the two settings it names and nothing else: only the every-core
+server gets the reservation of 0, only the forked-engine server the fork, both of a pair get the
+same model, dtype and flags, and ratios pool all repeats."""
 
 from __future__ import annotations
 
-from draftflow.vllm.launch import build_command, build_env
+import json
+
+import torch
+
+from draftflow.models import speculators
+from draftflow.models.dflash import DFlash
+from draftflow.vllm.launch import CPU_ENGINE_START_ENV, build_command, build_env
 
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def _pair(bench, args, comparison: str):
+    return [bench.server_spec(args, setting) for setting in bench.COMPARISONS[comparison].values()]
 
 
 def test_the_two_settings_differ_only_in_the_core_reservation(bench_module, tmp_path):
     bench = bench_module("cpu_cores")
     args = bench.parse_args(["--model", "/models/m", "--work-dir", str(tmp_path)])
-    default, every = (bench.server_spec(args, reserved) for reserved in bench.SETTINGS.values())
+    default, every = _pair(bench, args, "cores")
     assert RESERVED not in build_env(default) and build_env(every)[RESERVED] == "0"
+    assert build_env(default)[CPU_ENGINE_START_ENV] == build_env(every)[CPU_ENGINE_START_ENV] == "fork"
     strip = lambda cmd: [a for a in cmd if not a.isdigit()]  # noqa: E731 (the ports differ)
     assert strip(build_command(default)) == strip(build_command(every))
     assert "--no-enable-prefix-caching" in build_command(every)
-    served = bench.server_spec(args, 0, drafter="/exports/d")
-    assert served.speculative_config == {"model": "/exports/d"} and build_env(served)[RESERVED] == "0"
+    drafter = _export_config(tmp_path / "export", speculative_tokens=1)
+    served = bench.server_spec(args, {"cpu_reserved_cores": 0}, drafter=drafter)
+    # vLLM refuses a --speculative-config drafter without its draft length
+    assert served.speculative_config == {"model": drafter, "num_speculative_tokens": 1}
+    assert build_env(served)[RESERVED] == "0"
+
+
+def test_the_engine_start_settings_differ_only_in_how_the_engine_core_starts(bench_module, tmp_path):
+    bench = bench_module("cpu_cores")
+    args = bench.parse_args(
+        ["--compare", "engine-start", "--model", "/models/m", "--work-dir", str(tmp_path)]
+    )
+    spawned, forked = _pair(bench, args, "engine-start")
+    assert (build_env(spawned)[CPU_ENGINE_START_ENV], build_env(forked)[CPU_ENGINE_START_ENV]) == (
+        "spawn",
+        "fork",
+    )
+    assert build_env(spawned)[RESERVED] == build_env(forked)[RESERVED] == "0"  # as the CPU recipes
+    strip = lambda cmd: [a for a in cmd if not a.isdigit()]  # noqa: E731 (the ports differ)
+    assert strip(build_command(spawned)) == strip(build_command(forked))
+
+
+def _export_config(folder, speculative_tokens: int) -> str:
+    """The config.json of a DFlash export (no weights: the bench reads only the config)."""
+    config = speculators.envelope(
+        model_type="dflash",
+        architecture=DFlash.architecture,
+        speculative_tokens=speculative_tokens,
+        verifier_name_or_path="/models/m",
+        verifier_architectures=["LlamaForCausalLM"],
+        transformer_layer_config={},
+        dtype=torch.float32,
+        fields={DFlash.aux_layer_ids_key: [2, 15, 27]},
+    )
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
 
 
 def test_ratios_pool_tokens_over_seconds_not_rates(bench_module):

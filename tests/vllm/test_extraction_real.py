@@ -81,6 +81,7 @@ def test_launched_server_is_ours_and_logged(smollm2_extraction):
     assert len(smollm2_extraction.handle.started) == 1
     log = Path(smollm2_extraction.handle.log_paths[0]).read_text()
     assert "CPUHiddenStatesConnector" in log and "draftflow.vllm.cpu_connector" in log
+    assert "the engine core starts by fork, its worker by spawn" in log  # vLLM's CPU platform says spawn
     assert smollm2_extraction.handle.unverified == []  # ids are known: we started it with them
 
 

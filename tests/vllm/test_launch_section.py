@@ -7,7 +7,7 @@ import pytest
 
 from draftflow.evaluation.in_vllm import LaunchServerFactory
 from draftflow.recipe.schema import VLLMLaunchSection
-from draftflow.vllm.launch import LaunchSpec, build_env
+from draftflow.vllm.launch import CPU_ENGINE_START_ENV, LaunchSpec, build_env
 
 
 def test_a_spec_takes_device_and_length_from_the_section_and_has_no_defaults_of_its_own():
@@ -40,3 +40,18 @@ def test_reserved_cores_reach_a_cpu_server_and_only_when_set():
     # the recipe's own env still has the last word
     mine = VLLMLaunchSection(device="cpu", cpu_reserved_cores=0, env={reserved: "1"})
     assert build_env(LaunchSpec.from_section(mine, model="m", port=1))[reserved] == "1"
+
+
+def test_a_cpu_server_is_asked_to_fork_its_processes_unless_the_recipe_says_otherwise():
+    asked = CPU_ENGINE_START_ENV
+    default = LaunchSpec.from_section(VLLMLaunchSection(device="cpu"), model="m", port=1)
+    assert build_env(default)[asked] == "fork"
+    low_level = LaunchSpec(python="p", model="m", port=1, device="cpu", max_model_len=16)
+    assert build_env(low_level)[asked] == "fork"  # a spec built by hand gets the schema's default
+    spawn = VLLMLaunchSection(device="cpu", cpu_engine_start="spawn")
+    assert build_env(LaunchSpec.from_section(spawn, model="m", port=1))[asked] == "spawn"
+    vllms_choice = VLLMLaunchSection(device="cpu", cpu_engine_start=None)
+    assert asked not in build_env(LaunchSpec.from_section(vllms_choice, model="m", port=1))
+    assert asked not in build_env(LaunchSpec.from_section(VLLMLaunchSection(), model="m", port=1))
+    with pytest.raises(ValueError, match="cpu_engine_start"):
+        VLLMLaunchSection(device="cpu", cpu_engine_start="forkserver")

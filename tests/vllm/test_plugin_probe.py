@@ -3,13 +3,23 @@ multi-layer DFlash on CPU as a known issue only where that fix is not loaded."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from draftflow.models.dflash import DFlash
 from draftflow.models.eagle3 import Eagle3
-from draftflow.vllm.plugin import DFLASH_CPU_K_NORM, PLUGIN_NAME, installed_fixes
+from draftflow.vllm.plugin import (
+    CPU_ENGINE_START,
+    DFLASH_CPU_K_NORM,
+    PLUGIN_DIR,
+    PLUGIN_NAME,
+    installed_fixes,
+)
 
 
 def test_the_bootstrapped_vllm_venv_loads_the_plugin_unless_vllm_plugins_excludes_it(vllm_python):
-    assert DFLASH_CPU_K_NORM in installed_fixes(vllm_python)
+    assert installed_fixes(vllm_python) == {DFLASH_CPU_K_NORM, CPU_ENGINE_START}
     assert DFLASH_CPU_K_NORM in installed_fixes(vllm_python, {"VLLM_PLUGINS": f"other,{PLUGIN_NAME}"})
     assert installed_fixes(vllm_python, {"VLLM_PLUGINS": "none"}) == frozenset()
     assert installed_fixes("/nonexistent/bin/python") == frozenset()
@@ -27,3 +37,44 @@ def test_known_issue_only_for_multilayer_dflash_on_cpu_without_the_fix():
     assert DFlash.known_serving_issue(_config(1), "cpu") is None
     assert DFlash.known_serving_issue(_config(3), "cuda") is None
     assert Eagle3.known_serving_issue(_config(1), "cpu") is None
+
+
+class _CpuPlatformAsVLLM032:
+    """What vLLM 0.32's CPU platform does to the start method while it checks a config."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        vllm_config.append(cls)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
+def test_the_plugin_forks_the_engine_core_and_spawns_what_the_engine_core_starts(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGIN_DIR))
+    from draftflow_vllm_cpu import engine_start
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    monkeypatch.delenv(engine_start.ENV, raising=False)
+    platform = type("Platform", (_CpuPlatformAsVLLM032,), {})
+    assert engine_start.install(platform) is False  # nothing asked: vLLM's choice stands
+    platform.check_and_update_config([])
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+    monkeypatch.setenv(engine_start.ENV, "fork")
+    assert engine_start.install(platform) is True and engine_start.install(platform) is True  # once
+    seen: list = []
+    platform().check_and_update_config(seen)  # called on the instance, as vLLM does
+    assert seen == [platform] and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+    # the forked child (the engine core) starts its worker by spawn: vLLM pins the worker's
+    # OpenMP threads through variables that only a freshly loaded OpenMP reads
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, os.environ["VLLM_WORKER_MULTIPROC_METHOD"].encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"spawn" and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+    monkeypatch.setenv(engine_start.ENV, "forkserver")
+    with pytest.raises(ValueError, match=engine_start.ENV):
+        engine_start.install(type("Platform", (_CpuPlatformAsVLLM032,), {}))
