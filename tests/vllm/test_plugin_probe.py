@@ -4,6 +4,7 @@ multi-layer DFlash on CPU as a known issue only where that fix is not loaded."""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -39,6 +40,14 @@ def test_known_issue_only_for_multilayer_dflash_on_cpu_without_the_fix():
     assert Eagle3.known_serving_issue(_config(1), "cpu") is None
 
 
+def _is_socket(sock: socket.socket) -> bool:
+    try:
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE)
+        return True
+    except OSError:  # ENOTSOCK: the descriptor now points at /dev/null
+        return False
+
+
 class _CpuPlatformAsVLLM032:
     """What vLLM 0.32's CPU platform does to the start method while it checks a config."""
 
@@ -65,15 +74,24 @@ def test_the_plugin_forks_the_engine_core_and_spawns_what_the_engine_core_starts
     platform().check_and_update_config(seen)  # called on the instance, as vLLM does
     assert seen == [platform] and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
 
-    # the forked child (the engine core) starts its worker by spawn: vLLM pins the worker's
-    # OpenMP threads through variables that only a freshly loaded OpenMP reads
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.write(write, os.environ["VLLM_WORKER_MULTIPROC_METHOD"].encode())
-        os._exit(0)
-    os.waitpid(pid, 0)
-    assert os.read(read, 16) == b"spawn" and os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    # The forked child (the engine core) starts its worker by spawn: vLLM pins the worker's
+    # OpenMP threads through variables that only a freshly loaded OpenMP reads. And it keeps
+    # no listening socket of its parent's (the API server's HTTP port).
+    # vLLM binds its HTTP socket before it starts the engine core, and listens on it afterwards.
+    http = socket.socket()
+    http.bind(("127.0.0.1", 0))
+    with http, socket.socket() as client:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, f"{os.environ['VLLM_WORKER_MULTIPROC_METHOD']} {_is_socket(http)}".encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 64) == b"spawn False"
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+        http.listen()
+        client.connect(http.getsockname())  # the parent's socket is its own
+        http.accept()[0].close()
 
     monkeypatch.setenv(engine_start.ENV, "forkserver")
     with pytest.raises(ValueError, match=engine_start.ENV):

@@ -17,6 +17,11 @@ When ``DRAFTFLOW_VLLM_CPU_ENGINE_START`` is ``fork`` (draftflow's launcher sets 
 core starts its worker by spawn, as vLLM would. ``spawn`` or unset: vLLM's own choice, spawn.
 vLLM's other reasons to spawn (CUDA initialised, a Ray actor, ``--numa-bind``) are checked when a
 process starts, and still win.
+
+A forked child also inherits the API server's open descriptors, among them its HTTP socket: a
+forked engine core that outlives a killed API server would keep the port bound, accepting
+connections nobody answers, and a server restarted on that port would hang. The child drops every
+inherited TCP server socket (bound, with no peer) at fork time.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import socket
 
 #: The name draftflow asks for (keep it stable).
 FIX = "cpu-engine-start-from-env"
@@ -65,6 +71,42 @@ def install(platform_class) -> bool:
 
 def _children_of_a_fork_spawn() -> None:
     os.environ[VLLM_ENV] = "spawn"
+    drop_listening_sockets()
+
+
+def drop_listening_sockets() -> None:
+    """Point every listening TCP socket of this process at /dev/null, keeping its descriptor
+    number taken: the inherited socket object still closes that number when it is collected,
+    which must not hit a descriptor opened later. The parent's socket is untouched."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd != null and _is_server_socket(fd):
+                os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _is_server_socket(fd: int) -> bool:
+    """A TCP socket bound to a port with no peer: listening, or about to (vLLM binds its HTTP
+    socket before it starts the engine and listens on it only once the engine is up)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False  # not a socket, or closed since the listing
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return True
+        try:
+            sock.getpeername()
+            return False  # a connection
+        except OSError:
+            return sock.getsockname()[1] != 0
+    finally:
+        sock.detach()  # the descriptor is not ours to close
 
 
 def _is_api_server() -> bool:
