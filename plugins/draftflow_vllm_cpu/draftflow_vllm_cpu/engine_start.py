@@ -71,11 +71,11 @@ def install(platform_class) -> bool:
 
 def _children_of_a_fork_spawn() -> None:
     os.environ[VLLM_ENV] = "spawn"
-    drop_listening_sockets()
+    drop_server_sockets()
 
 
-def drop_listening_sockets() -> None:
-    """Point every listening TCP socket of this process at /dev/null, keeping its descriptor
+def drop_server_sockets() -> None:
+    """Point every TCP server socket of this process at /dev/null, keeping its descriptor
     number taken: the inherited socket object still closes that number when it is collected,
     which must not hit a descriptor opened later. The parent's socket is untouched."""
     null = os.open(os.devnull, os.O_RDWR)
