@@ -49,7 +49,7 @@ COMPARISONS = {
         "engine core forked (cpu_engine_start: fork)": {"cpu_engine_start": "fork"},
     },
 }
-SHIPPED = {"cpu_reserved_cores": 0, "cpu_engine_start": "fork"}
+SHIPPED = {"cpu_reserved_cores": 0}  # the CPU recipes'; the engine start is the schema's default (fork)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -42,7 +42,7 @@ def test_reserved_cores_reach_a_cpu_server_and_only_when_set():
     assert build_env(LaunchSpec.from_section(mine, model="m", port=1))[reserved] == "1"
 
 
-def test_a_cpu_server_is_asked_to_fork_its_processes_unless_the_recipe_says_otherwise():
+def test_a_cpu_server_is_asked_to_fork_its_engine_core_unless_the_recipe_says_otherwise():
     asked = CPU_ENGINE_START_ENV
     default = LaunchSpec.from_section(VLLMLaunchSection(device="cpu"), model="m", port=1)
     assert build_env(default)[asked] == "fork"

@@ -6,8 +6,9 @@
   forces ``spawn``, which imports torch and vLLM again in it at every server start).
 
 vLLM calls :func:`register` in the API server and in every process it spawns (a forked engine core
-inherits the API server's patches). On any other platform it does nothing. This package must stay importable without vLLM: draftflow reads
-:data:`FIXES` from the vLLM virtualenv to know which defects are fixed there.
+inherits the API server's patches). On any other platform it does nothing. This package must stay
+importable without vLLM: draftflow reads :data:`FIXES` from the vLLM virtualenv to know which
+defects are fixed there.
 """
 
 from __future__ import annotations
