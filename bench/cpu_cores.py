@@ -134,8 +134,10 @@ def measure(args: argparse.Namespace, setting: dict, prompts: list[str], drafter
         server.stop()
 
 
-def pooled(runs: list[tuple[int, float]]) -> float:
-    return sum(t for t, _ in runs) / sum(s for _, s in runs)
+def pooled(kind: str, runs: list[tuple[int, float]]) -> float:
+    """Seconds per start for a start-up, tokens per second for decoding."""
+    count, seconds = sum(n for n, _ in runs), sum(s for _, s in runs)
+    return seconds / count if kind == "start" else count / seconds
 
 
 def main() -> None:
@@ -153,12 +155,12 @@ def main() -> None:
                     runs.setdefault((name, case, kind), []).append(run)
                     figure = f"{run[1]:.1f} s" if kind == "start" else f"{run[0] / run[1]:.1f} tok/s"
                     print(f"repeat {repeat} {name} {case} {kind}: {figure}", file=sys.stderr)
-    rows = {key: pooled(value) for key, value in runs.items()}
+    rows = {key: pooled(key[2], value) for key, value in runs.items()}
     (base, other) = settings
     print(f"\n{args.dtype}, {args.repeats} repeats per setting, pooled\n")
     print(f"| measurement | {base} | {other} | ratio |\n|---|---|---|---|")
     for case in dict(cases):
-        a, b = 1 / rows[(base, case, "start")], 1 / rows[(other, case, "start")]
+        a, b = rows[(base, case, "start")], rows[(other, case, "start")]
         print(f"| {case} server, start to healthy (s) | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
     for case, kind in [("target", "batch"), ("target", "stream"), ("drafter", "stream")]:
         if (base, case, kind) in rows:
