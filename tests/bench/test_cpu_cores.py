@@ -69,9 +69,8 @@ def _export_config(folder, speculative_tokens: int) -> str:
 
 def test_ratios_pool_tokens_over_seconds_not_rates(bench_module):
     pooled = bench_module("cpu_cores").pooled
-    assert (
-        pooled("stream", [(100, 1.0), (100, 9.0)]) == 20.0
-    )  # 200 tokens in 10 s; the mean of the rates: 55.6
+    # 200 tokens in 10 s; the mean of the two rates would be 55.6
+    assert pooled("stream", [(100, 1.0), (100, 9.0)]) == 20.0
 
 
 def test_start_up_pools_to_seconds_per_start(bench_module):
