@@ -153,7 +153,7 @@ def main() -> None:
             for case, drafter in cases:
                 for kind, run in measure(args, setting, prompts, drafter).items():
                     runs.setdefault((name, case, kind), []).append(run)
-                    figure = f"{run[1]:.1f} s" if kind == "start" else f"{run[0] / run[1]:.1f} tok/s"
+                    figure = f"{pooled(kind, [run]):.1f} {'s' if kind == 'start' else 'tok/s'}"
                     print(f"repeat {repeat} {name} {case} {kind}: {figure}", file=sys.stderr)
     rows = {key: pooled(key[2], value) for key, value in runs.items()}
     (base, other) = settings
