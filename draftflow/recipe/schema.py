@@ -328,6 +328,13 @@ class TrainingSection(Section):
         "sample id, never trained on) to measure acceptance during training; 0 = no validation.",
     )
     validation_max_samples: int = Field(64, ge=0, description="At most this many validation samples.")
+    max_train_samples: int | None = Field(
+        None,
+        ge=1,
+        description="Train on at most this many of the stored train samples (after the validation split): "
+        "the ones with the smallest hash of their id, so smaller subsets are inside larger ones. For "
+        "learning curves: how validation τ grows with data, before paying for more. None = all.",
+    )
     eval_every: int = Field(
         0, ge=0, description="Steps between validations besides every epoch end; 0 = epoch ends only."
     )

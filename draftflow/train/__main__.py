@@ -108,6 +108,7 @@ def _train(args, argv, plan, layout, runtime) -> int:
             "resumed_from": result.resumed_from,
             "torn_checkpoints": result.torn_checkpoints,
             "skipped_samples": len(source.skipped),
+            "train_samples": len(train_items),
             "interrupted": result.interrupted,
             "run_dir": layout.root,
             "export_dir": export_dir,

@@ -74,11 +74,12 @@ class Monitor:
 
     @classmethod
     def for_plan(cls, plan, setup, source, layout: RunLayout, runtime: Runtime) -> tuple[Monitor, list]:
-        """(monitor, train items): the recipe's validation split held back from training."""
+        """(monitor, train items): the validation split held back, the rest capped at max_train_samples."""
         t = plan.recipe.training
         train_items, held = validation.split_items(
             source.items(), t.validation_fraction, t.validation_max_samples
         )
+        train_items = validation.subset_items(train_items, t.max_train_samples)
         spec = plan.recipe.drafter
         monitor = cls(
             layout=layout,

@@ -54,7 +54,7 @@ NOT_COMPARED = frozenset(
 
 # Settings added after runs were first recorded, with the value that means "off": recorded only
 # when set, so a run saved before they existed still resumes under the same recipe.
-RECORDED_WHEN_SET = {"feature_noise": 0.0, "loss_positions": "assistant"}
+RECORDED_WHEN_SET = {"feature_noise": 0.0, "loss_positions": "assistant", "max_train_samples": None}
 
 
 class TrainingRefused(RuntimeError):

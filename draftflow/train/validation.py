@@ -61,6 +61,14 @@ def split_items(
     return [it for it in items if it[0] not in held], chosen
 
 
+def subset_items(items: Sequence[tuple[str, int]], limit: int | None) -> list[tuple[str, int]]:
+    """The ``limit`` items with the smallest id hashes, in their order (``training.max_train_samples``)."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    kept = set(sorted((sid for sid, _ in items), key=id_rank)[:limit])
+    return [it for it in items if it[0] in kept]
+
+
 @dataclass
 class AcceptanceCounts:
     """Integer sums over drafts (added across samples and ranks before dividing)."""

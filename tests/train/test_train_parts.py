@@ -208,7 +208,12 @@ def test_cpu_ranks_of_different_nodes_each_get_their_nodes_cores(one_core):
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "shown"), [("feature_noise", "0.05", "0.05"), ("loss_positions", "all", "'all'")]
+    ("field", "value", "shown"),
+    [
+        ("feature_noise", "0.05", "0.05"),
+        ("loss_positions", "all", "'all'"),
+        ("max_train_samples", "100", "100"),
+    ],
 )
 def test_settings_added_later_are_compared_and_runs_recorded_before_them_still_resume(
     tmp_path, field, value, shown

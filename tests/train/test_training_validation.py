@@ -107,3 +107,18 @@ def test_the_best_validation_step_is_the_one_exported_when_a_later_one_is_worse(
         "best.json",
         "step-00000002.safetensors",
     ]
+
+
+def test_max_train_samples_trains_on_that_many_samples_and_the_run_records_it(train_dir):
+    recipe = str(train_dir / "recipe.yaml")
+    _, full = _run(TRAIN + [recipe, "--run-id", "all", "--set", "training.validation_fraction=0.1"])
+    capped = ["--set", "training.validation_fraction=0.1", "--set", "training.max_train_samples=12"]
+    _, part = _run(TRAIN + [recipe, "--run-id", "part"] + capped)
+    assert part["train_samples"] == 12 < full["train_samples"]
+    assert part["steps"] < full["steps"]
+    settings = json.loads(Path(RunLayout(part["run_dir"]).settings).read_text())
+    assert settings["training"]["max_train_samples"] == 12
+    assert (
+        "max_train_samples"
+        not in json.loads(Path(RunLayout(full["run_dir"]).settings).read_text())["training"]
+    )

@@ -117,3 +117,14 @@ def test_validation_split_is_decided_by_sample_id_and_never_trained_on():
     assert len(set(held) - set(grown)) <= 1
     assert validation.split_items(items, 0.5, 3)[1] == held[:3]  # the cap keeps the smallest hashes
     assert validation.split_items(items, 0.0, 64) == (items, [])
+
+
+def test_a_train_subset_keeps_order_and_smaller_subsets_lie_inside_larger_ones():
+    items = [(f"s{i:03d}", 10 + i) for i in range(100)]
+    train, _ = validation.split_items(items, 0.1, 64)
+    small, large = validation.subset_items(train, 20), validation.subset_items(train, 50)
+    assert len(small) == 20 and len(large) == 50
+    assert set(small) < set(large) < set(train)
+    assert small == [it for it in train if it in set(small)]  # the store's order, not the hash order
+    assert validation.subset_items(list(reversed(train)), 20) == list(reversed(small))  # chosen by id alone
+    assert validation.subset_items(train, None) == train == validation.subset_items(train, 1000)
