@@ -49,6 +49,11 @@ def id_rank(sample_id: str) -> str:
     return hashlib.sha256(sample_id.encode()).hexdigest()
 
 
+def smallest_hashes(items: Sequence[tuple[str, int]], count: int) -> list[str]:
+    """The ``count`` sample ids with the smallest hashes, in hash order: a choice by id alone."""
+    return sorted((sid for sid, _ in items), key=id_rank)[:count]
+
+
 def split_items(
     items: Sequence[tuple[str, int]], fraction: float, max_samples: int
 ) -> tuple[list[tuple[str, int]], list[str]]:
@@ -56,7 +61,7 @@ def split_items(
     if fraction <= 0 or max_samples <= 0 or len(items) < 2:
         return list(items), []
     count = min(max_samples, math.ceil(fraction * len(items)), len(items) - 1)
-    chosen = sorted((sid for sid, _ in items), key=id_rank)[:count]
+    chosen = smallest_hashes(items, count)
     held = set(chosen)
     return [it for it in items if it[0] not in held], chosen
 
@@ -65,7 +70,7 @@ def subset_items(items: Sequence[tuple[str, int]], limit: int | None) -> list[tu
     """The ``limit`` items with the smallest id hashes, in their order (``training.max_train_samples``)."""
     if limit is None or limit >= len(items):
         return list(items)
-    kept = set(sorted((sid for sid, _ in items), key=id_rank)[:limit])
+    kept = set(smallest_hashes(items, limit))
     return [it for it in items if it[0] in kept]
 
 
