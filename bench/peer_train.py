@@ -71,6 +71,13 @@ POINTS = [
     ("dflash-8k-1024", "dflash", 8192, 1024, 0, 1),
 ]
 
+# The published DFlash setting, 3,072 anchors, at 8k and 64k tokens (--extended; one repetition
+# each: the reference takes 1 and 3 minutes a step there, and 11 and 17.5 GB).
+EXTENDED_POINTS = [
+    ("dflash-8k-3072", "dflash", 8192, 3072, 0, 1),
+    ("dflash-64k-3072", "dflash", 65536, 3072, 0, 1),
+]
+
 
 def host_cpu() -> str:
     """The CPU the figures were measured on: model name, logical CPUs and widest vector ISA.
@@ -116,7 +123,8 @@ def measure(points, reps: int, threads: int, peer_python: Path, timeout: int) ->
         for name, kind, seq, anchors, ttt, steps in points:
             folder = Path(tmp) / name
             write_inputs(folder, point_meta(kind, seq, anchors, ttt, steps, threads))
-            for rep in range(reps):
+            point_reps = 1 if (name, kind, seq, anchors, ttt, steps) in EXTENDED_POINTS else reps
+            for rep in range(point_reps):
                 ours = [
                     sys.executable,
                     str(Path(__file__).resolve()),
@@ -182,6 +190,19 @@ def summarise(rows: list[dict]) -> list[str]:
     return lines
 
 
+def select_points(only: str, extended: bool) -> list[tuple]:
+    """The points named by ``--only`` prefixes (all when empty), from the extended set too with
+    ``--extended``."""
+    prefixes = [s for s in only.split(",") if s]
+    candidates = POINTS + EXTENDED_POINTS if extended else POINTS
+    points = [pt for pt in candidates if not prefixes or any(pt[0].startswith(s) for s in prefixes)]
+    if not points:
+        raise SystemExit(
+            f"--only: no point matches {only!r}; points: {', '.join(pt[0] for pt in candidates)}"
+        )
+    return points
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
@@ -191,6 +212,11 @@ def main() -> None:
         default="",
         help="comma-separated name prefixes, e.g. dflash-1k,eagle3",
     )
+    p.add_argument(
+        "--extended",
+        action="store_true",
+        help="also the published 3,072-anchor setting at 8k and 64k tokens (one repetition each, ~12 min)",
+    )
     p.add_argument("--timeout", type=int, default=3600, help="seconds per trainer run")
     p.add_argument("--json", help="also write the raw rows here")
     p.add_argument("--draftflow", help=argparse.SUPPRESS)  # child mode: one draftflow run
@@ -198,12 +224,7 @@ def main() -> None:
     if args.draftflow:
         print(json.dumps(run_draftflow(Path(args.draftflow))))
         return
-    prefixes = [s for s in args.only.split(",") if s]
-    points = [pt for pt in POINTS if not prefixes or any(pt[0].startswith(s) for s in prefixes)]
-    if not points:
-        raise SystemExit(
-            f"--only: no point matches {args.only!r}; points: {', '.join(pt[0] for pt in POINTS)}"
-        )
+    points = select_points(args.only, args.extended)
     peer_python = ensure_peer_venv()
     rows = measure(points, args.reps, args.threads, peer_python, args.timeout)
     host = host_cpu()
