@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/peer_train.py                  # every point, two repetitions
     .venv/bin/python bench/peer_train.py --only dflash-1k --reps 1
+    .venv/bin/python bench/peer_train.py --extended --only dflash-8k-3072,dflash-64k  # 3,072 anchors
 
 On first use the reference library is installed into its own virtualenv
 (``$DRAFTFLOW_HOME/peer-venv``, see ``peer_venv.py``; later runs reuse it). For every point
