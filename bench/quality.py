@@ -138,7 +138,7 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     ap.add_argument("--checkpoint", help="evaluate this export instead of running the pipeline first")
@@ -161,6 +161,16 @@ def main() -> None:
         help="comma-separated served draft lengths to evaluate each drafter at (default: its own)",
     )
     args = ap.parse_args()
+    # The draftflow commands run from the repository root: a relative path the user typed is
+    # resolved here, against the folder they ran the benchmark from.
+    args.recipe, args.out = args.recipe.resolve(), args.out.resolve()
+    if args.checkpoint:
+        args.checkpoint = str(Path(args.checkpoint).resolve())
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs = [("self-generated", [])]

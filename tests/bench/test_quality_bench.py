@@ -1,0 +1,19 @@
+"""bench/quality.py runs its draftflow commands from the repository root, so the paths a user
+gives it must be taken from where the user stands, not from there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def test_relative_paths_are_read_from_the_callers_folder(tmp_path: Path, monkeypatch, bench_module):
+    quality = bench_module("quality")
+    (tmp_path / "runs" / "export").mkdir(parents=True)
+    (tmp_path / "my.yaml").write_text("name: x\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["quality.py", "--checkpoint", "runs/export", "--recipe", "my.yaml", "--out", "bq"]
+    monkeypatch.setattr("sys.argv", argv)
+    args = quality.parse_args()
+    assert Path(args.checkpoint) == tmp_path / "runs" / "export"
+    assert args.recipe == tmp_path / "my.yaml"
+    assert args.out == tmp_path / "bq"
