@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -21,3 +22,15 @@ def load_bench(name: str):
 def bench_module():
     """``bench_module("fp8")``: the script bench/fp8.py as a module."""
     return load_bench
+
+
+@pytest.fixture
+def bench_args(monkeypatch):
+    """``bench_args(module, "--model", m)``: the benchmark's own argument parsing (its defaults and
+    post-processing) of that command line."""
+
+    def parse(module, *argv: str) -> argparse.Namespace:
+        monkeypatch.setattr("sys.argv", [module.__file__, *argv])
+        return module.parse_args()
+
+    return parse

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def test_relative_paths_are_read_from_the_callers_folder(tmp_path: Path, monkeypatch, bench_module):
+def test_relative_paths_are_read_from_the_callers_folder(
+    tmp_path: Path, monkeypatch, bench_module, bench_args
+):
     quality = bench_module("quality")
     (tmp_path / "runs" / "export").mkdir(parents=True)
     (tmp_path / "my.yaml").write_text("name: x\n")
     monkeypatch.chdir(tmp_path)
-    argv = ["quality.py", "--checkpoint", "runs/export", "--recipe", "my.yaml", "--out", "bq"]
-    monkeypatch.setattr("sys.argv", argv)
-    args = quality.parse_args()
+    args = bench_args(quality, "--checkpoint", "runs/export", "--recipe", "my.yaml", "--out", "bq")
     assert Path(args.checkpoint) == tmp_path / "runs" / "export"
     assert args.recipe == tmp_path / "my.yaml"
     assert args.out == tmp_path / "bq"
