@@ -5,6 +5,7 @@
     .venv/bin/python bench/quality.py --ablation                       # + the same budget on chitchat/chatterbot
     .venv/bin/python bench/quality.py --checkpoint RUN/export --draft-lengths 1,2,3   # served draft lengths
     .venv/bin/python bench/quality.py --checkpoint RUN/export --speed-rounds 3        # a firmer speed-up
+    .venv/bin/python bench/quality.py --compare RUN_A/export RUN_B/export --speed-rounds 3   # which pays more
 
 For each drafter: ``draftflow pipeline`` on the recipe (skipped with ``--checkpoint``), then
 ``draftflow evaluate --vllm`` of its export on the project's own evaluation set
@@ -24,6 +25,13 @@ the target, instead of self-generated conversations. Both rows are printed in on
 ``num_speculative_tokens``; ``draftflow evaluate --draft-length``): a longer draft accepts more
 tokens per step but each drafted token is one more verification slot of the target, so the
 speed-up, not τ, picks the length to ship (``drafter.speculative_tokens`` in the recipe).
+
+``--compare A B ...`` races trained drafters against each other and the target alone: every pass
+decodes the same prompts on a fresh server, the sides rotating their slot each round (A B T, B T
+A, T A B, ...), so all the speed-ups divide by one target-alone series measured in between. Two
+drafters each evaluated on its own are not comparable on a shared host: each run's target-alone
+reading moves with the load of its quarter hour. τ comes from vLLM's counters on each drafter's
+passes; every pass's outputs are checked against the target's. Needs no training and no store.
 
 The gate is set to 1.0 for these runs (a benchmark reports; it does not refuse to publish).
 """
@@ -125,6 +133,89 @@ def row(name: str, report: dict) -> dict:
     }
 
 
+def compare(args: argparse.Namespace) -> list[dict]:
+    """--compare: one row per drafter, all against one target-alone series (see the module doc)."""
+    from draftflow.data.chat import load_chat_encoder
+    from draftflow.evaluation.in_vllm import LaunchServerFactory, decode_rounds, speed_summary
+    from draftflow.evaluation.run import load_prompt_set
+    from draftflow.models import checkpoint_info
+    from draftflow.plan import Plan
+
+    plan = Plan.load(
+        str(args.recipe),
+        ["evaluation.prompt_set=draftflow-eval", f"evaluation.prompts_per_category={args.per_category}"],
+    )
+    launch = plan.recipe.vllm.launch
+    if launch is None:
+        raise SystemExit(f"{args.recipe}: --compare starts its own servers: the recipe needs vllm.launch")
+    verifiers = {checkpoint_info(c)["verifier"] for c in args.compare}
+    if len(verifiers) != 1:
+        raise SystemExit(f"--compare: the checkpoints draft for different targets: {sorted(verifiers)}")
+    names, prompts, _, categories = load_prompt_set(
+        plan, load_chat_encoder(plan.recipe.target), max_total_tokens=launch.max_model_len
+    )
+    sides = {}
+    for n, checkpoint in enumerate(args.compare, start=1):
+        label = drafter_label(checkpoint)
+        sides[f"{label} ({n})" if label in sides else label] = (checkpoint, None)
+    sides["target alone"] = (verifiers.pop(), None)
+    timed = decode_rounds(
+        LaunchServerFactory(launch, log_dir=args.out),
+        sides,
+        prompts,
+        plan.recipe.evaluation.max_new_tokens,
+        args.speed_rounds,
+        scrape=list(sides)[:-1],
+    )
+    target = timed.pop("target alone")
+    rows = []
+    for (name, runs), checkpoint in zip(timed.items(), args.compare):
+        k = checkpoint_info(checkpoint)["speculative_tokens"]
+        per_prompt = [list(c) for c in zip(*(r.per_prompt for r in runs))]  # [prompt][pass]
+        speed = speed_summary(runs, target)
+        differing = sum(a != b for r in runs for a, b in zip(r.outputs, target[0].outputs))
+        rows.append(
+            {
+                "drafter": name,
+                **acceptance([c for cs in per_prompt for c in cs], k),
+                "per_category": {
+                    cat: acceptance(
+                        [c for n, cs in zip(names, per_prompt) if categories[n] == cat for c in cs], k
+                    )["tau_vllm"]
+                    for cat in sorted(set(categories.values()))
+                },
+                "with_drafter_tok_s": speed["with_drafter_tok_s"],
+                "target_alone_tok_s": speed["without_drafter_tok_s"],
+                "speedup": speed["speedup"],
+                "speedup_rounds": speed["rounds"],
+                "tok_s_per_round": [r.tokens_per_s for r in runs],
+                "target_tok_s_per_round": [r.tokens_per_s for r in target],
+                "prompts": len(prompts),
+                "outputs_differing": differing,
+                "checkpoint": checkpoint,
+            }
+        )
+        if differing:
+            print(f"{name}: {differing} outputs differ from the target alone's (not lossless?)", flush=True)
+    return rows
+
+
+def acceptance(counters: list, k: int) -> dict:
+    """τ and per-position acceptance pooled over spec-decode counter deltas."""
+    total = sum(counters[1:], counters[0])
+    drafts = max(total.drafts, 1)
+    return {
+        "tau_vllm": 1 + total.accepted / drafts,
+        "per_position": [a / drafts for a in total.per_position(k)],
+    }
+
+
+def drafter_label(checkpoint: str) -> str:
+    """``runs/<recipe>-<fingerprint>/<run id>/export`` → ``<recipe>-<fingerprint>``."""
+    path = Path(checkpoint)
+    return path.parents[1].name if path.name == "export" else path.name
+
+
 def print_table(rows: list[dict]) -> None:
     cats = sorted({c for r in rows for c in r["per_category"]})
     head = ["drafter", "prompts", "τ vLLM", *cats, "tok/s with", "tok/s target", "speedup", "per round"]
@@ -142,6 +233,12 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE)
     ap.add_argument("--checkpoint", help="evaluate this export instead of running the pipeline first")
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="EXPORT",
+        help="race these exports and the target alone in one rotation of servers (speed and τ only)",
+    )
     ap.add_argument(
         "--ablation", action="store_true", help="also train on chitchat/chatterbot at the same budget"
     )
@@ -166,13 +263,27 @@ def parse_args() -> argparse.Namespace:
     args.recipe, args.out = args.recipe.resolve(), args.out.resolve()
     if args.checkpoint:
         args.checkpoint = str(Path(args.checkpoint).resolve())
+    args.compare = [str(Path(c).resolve()) for c in args.compare or []]
     return args
 
 
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        rows = compare(args)
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    else:
+        rows = train_and_evaluate(args)
+    print()
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
 
+
+def train_and_evaluate(args: argparse.Namespace) -> list[dict]:
+    """One row per drafter (the recipe's, and with --ablation the chitchat one) and draft length."""
     runs = [("self-generated", [])]
     if args.ablation:
         import yaml
@@ -198,10 +309,7 @@ def main() -> None:
             )
             rows.append({**row(label, report), "checkpoint": checkpoint, "pipeline_s": wall})
             print(json.dumps(rows[-1]), flush=True)
-    print()
-    print_table(rows)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
 
 
 if __name__ == "__main__":

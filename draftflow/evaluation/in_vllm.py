@@ -279,7 +279,7 @@ def evaluate_in_vllm(
     speculative_config: extra ``--speculative-config`` JSON merged in by vLLM (e.g.
     ``{"num_speculative_tokens": 5}``). measure_baseline: also serve the plain target (the
     verifier in config.json) for throughput and the lossless check. speed_rounds: with
-    measure_baseline, decode the prompts this many times on each side (see :func:`speed_rounds_order`).
+    measure_baseline, decode the prompts this many times on each side (see :func:`rotated_order`).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
@@ -319,17 +319,14 @@ def evaluate_in_vllm(
     baseline = None
     if measure_baseline:
         sides = {
-            True: (str(checkpoint_dir), speculative_config),
-            False: (info["verifier"], None),
+            "drafter": (str(checkpoint_dir), speculative_config),
+            "target": (info["verifier"], None),
         }
-        timed: dict[bool, list[GenerationRun]] = {True: [run], False: []}
-        for with_drafter in speed_rounds_order(speed_rounds)[1:]:
-            model, config = sides[with_drafter]
-            timed[with_drafter].append(
-                _generate(server_factory, model, config, prompts, max_new_tokens, False, request_timeout_s)
-            )
-        baseline = timed[False][0].outputs
-        report.throughput = speed_summary(timed[True], timed[False])
+        timed = decode_rounds(
+            server_factory, sides, prompts, max_new_tokens, speed_rounds, request_timeout_s, first=run
+        )
+        baseline = timed["target"][0].outputs
+        report.throughput = speed_summary(timed["drafter"], timed["target"])
         same = [a == b for a, b in zip(run.outputs, baseline)]
         report.outputs_identical = sum(same)
         report.notes += [
@@ -338,7 +335,7 @@ def evaluate_in_vllm(
             for n, ok, a, b in zip(names, same, run.outputs, baseline)
             if not ok
         ]
-        report.notes += later_round_differences(timed[True][1:], timed[False][1:], baseline)
+        report.notes += later_round_differences(timed["drafter"][1:], timed["target"][1:], baseline)
     return VLLMResult(report, run.outputs, baseline)
 
 
@@ -358,25 +355,51 @@ def later_round_differences(
     return notes
 
 
-def speed_rounds_order(rounds: int) -> list[bool]:
-    """Which side each server start decodes, True = with the drafter: D T, then T D, D T, ...
-    Every round has one of each, and alternating which goes first cancels a host load that
-    drifts steadily over the measurement. The first is always the drafter's (acceptance is
-    scraped there)."""
-    order = []
-    for r in range(rounds):
-        order += [True, False] if r % 2 == 0 else [False, True]
-    return order
+def rotated_order(sides: Sequence[str], rounds: int) -> list[str]:
+    """Which side each server start decodes: round r runs the sides rotated by r (D T, T D, D T,
+    ... for two; A B T, B T A, T A B for three). Every round has one pass of each side, and over
+    len(sides) rounds each side takes every slot once, so a host load that drifts steadily over the
+    measurement weighs on all sides alike."""
+    n = len(sides)
+    return [sides[(r + i) % n] for r in range(rounds) for i in range(n)]
+
+
+def decode_rounds(
+    factory: ServerFactory,
+    sides: dict[str, tuple[str, dict | None]],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    rounds: int,
+    request_timeout_s: float = 600.0,
+    *,
+    first: GenerationRun | None = None,
+    scrape: Sequence[str] = (),
+) -> dict[str, list[GenerationRun]]:
+    """Decode ``prompts`` ``rounds`` times on each side ({name: (model, speculative config)}), a
+    fresh server per pass, in :func:`rotated_order`. ``first``: the first pass, already run (the
+    evaluator's counter-scraping pass). ``scrape``: sides whose spec-decode counters are read per
+    prompt (outside the timed requests)."""
+    timed: dict[str, list[GenerationRun]] = {name: [] for name in sides}
+    for i, name in enumerate(rotated_order(list(sides), rounds)):
+        if i == 0 and first is not None:
+            timed[name].append(first)
+            continue
+        model, config = sides[name]
+        timed[name].append(
+            _generate(factory, model, config, prompts, max_new_tokens, name in scrape, request_timeout_s)
+        )
+    return timed
+
+
+def pooled_tokens_per_s(runs: Sequence[GenerationRun]) -> float:
+    """All completion tokens over all request time."""
+    return GenerationRun([o for r in runs for o in r.outputs], sum(r.seconds for r in runs)).tokens_per_s
 
 
 def speed_summary(with_drafter: Sequence[GenerationRun], without: Sequence[GenerationRun]) -> dict:
     """Decode speed pooled over the rounds (all completion tokens / all request time, per
     side), their ratio, and each round's own ratio: the spread says how far to trust it."""
-
-    def pooled(runs: Sequence[GenerationRun]) -> float:
-        return GenerationRun([o for r in runs for o in r.outputs], sum(r.seconds for r in runs)).tokens_per_s
-
-    fast, slow = pooled(with_drafter), pooled(without)
+    fast, slow = pooled_tokens_per_s(with_drafter), pooled_tokens_per_s(without)
     return {
         "with_drafter_tok_s": fast,
         "without_drafter_tok_s": slow,

@@ -17,3 +17,14 @@ def test_relative_paths_are_read_from_the_callers_folder(
     assert Path(args.checkpoint) == tmp_path / "runs" / "export"
     assert args.recipe == tmp_path / "my.yaml"
     assert args.out == tmp_path / "bq"
+
+
+def test_compared_exports_are_read_from_the_callers_folder_and_named_by_their_recipe(
+    tmp_path: Path, monkeypatch, bench_module, bench_args
+):
+    quality = bench_module("quality")
+    monkeypatch.chdir(tmp_path)
+    args = bench_args(quality, "--compare", "a/runs/eagle3-fp1/r1/export", "b/dflash-run")
+    assert args.compare == [str(tmp_path / "a/runs/eagle3-fp1/r1/export"), str(tmp_path / "b/dflash-run")]
+    assert [quality.drafter_label(c) for c in args.compare] == ["eagle3-fp1", "dflash-run"]
+    assert bench_args(quality).compare == []

@@ -12,7 +12,8 @@ tokens and per-position acceptance, in total and per prompt — the same countin
 output with the drafter must equal its output without it, and the simulator's (transformers).
 
 Server start-ups: Eagle3, then DFlash, then the plain target (throughput and lossless baseline),
-then the same DFlash served with 2 of its block's 3 draft tokens (vLLM builds a shorter block).
+then the same DFlash served with 2 of its block's 3 draft tokens (vLLM builds a shorter block); then
+Eagle3 and the target once more (the two drafters and the target decoding in one rotation).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import pytest
 from known_drafters import dflash_checkpoint, eagle3_checkpoint
 
-from draftflow.evaluation.in_vllm import reusing_factory
+from draftflow.evaluation.in_vllm import decode_rounds, reusing_factory, speed_summary
 from draftflow.evaluation.run import evaluate_prompts
 from draftflow.target import read_target_info
 
@@ -165,3 +166,26 @@ def test_tau_per_category_in_vllm_equals_the_simulator_per_category(run):
     vllm = table["vllm"]
     assert vllm["laughing"]["tau"] > 1.5 and vllm["singing"]["tau"] == vllm["facts"]["tau"] == 1.0
     assert "| laughing | 2 |" in open(run["dflash"].paths["summary"]).read()
+
+
+def test_two_drafters_and_the_target_decode_in_one_rotation(run, prompts, vllm_servers, smollm2_dir):
+    """decode_rounds (bench/quality.py --compare): one pass per side on fresh servers, counters read
+    on the drafters' sides only. The first side is the server this module left running."""
+    factory = reusing_factory(vllm_servers.get, max_model_len=1024)
+    short = run["dflash-served-2"].evaluation
+    sides = {
+        "dflash, 2 served": (short.checkpoint, {"num_speculative_tokens": 2}),
+        "eagle3": (run["eagle3"].evaluation.checkpoint, None),
+        "target": (str(smollm2_dir), None),
+    }
+    timed = decode_rounds(factory, sides, prompts, MAX_NEW_TOKENS, 1, scrape=["dflash, 2 served", "eagle3"])
+    assert {name: len(runs) for name, runs in timed.items()} == {name: 1 for name in sides}
+    plain = run["dflash"].vllm.baseline_outputs
+    assert all(runs[0].outputs == plain for runs in timed.values())
+    # greedy and deterministic: each drafter's counters repeat its own evaluation's, prompt by prompt
+    for name, kind in (("dflash, 2 served", "dflash-served-2"), ("eagle3", "eagle3")):
+        expected = [(p.drafts, p.accepted) for p in run[kind].evaluation.vllm.per_prompt]
+        assert [(c.drafts, c.accepted) for c in timed[name][0].per_prompt] == expected
+    assert timed["target"][0].per_prompt is None
+    speed = speed_summary(timed["eagle3"], timed["target"])
+    assert speed["with_drafter_tok_s"] > 0 and speed["without_drafter_tok_s"] > 0

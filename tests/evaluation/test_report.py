@@ -12,7 +12,7 @@ from draftflow.evaluation.in_vllm import (
     SpecDecodeMetricsMissing,
     later_round_differences,
     parse_spec_counters,
-    speed_rounds_order,
+    rotated_order,
     speed_summary,
 )
 from draftflow.evaluation.report import AcceptanceReport, Evaluation, PromptAcceptance, rounds_text
@@ -145,12 +145,16 @@ def test_server_without_drafter_has_no_counters():
         parse_spec_counters('vllm:num_requests_running{engine="0"} 0.0\n')
 
 
-def test_speed_rounds_alternate_which_side_goes_first():
-    assert speed_rounds_order(1) == [True, False]
-    assert speed_rounds_order(3) == [True, False, False, True, True, False]
-    # every round decodes once with the drafter and once without
-    order = speed_rounds_order(4)
+def test_speed_rounds_rotate_which_side_goes_first():
+    assert rotated_order([True, False], 1) == [True, False]
+    assert rotated_order([True, False], 3) == [True, False, False, True, True, False]
+    # every round decodes once on each side
+    order = rotated_order([True, False], 4)
     assert [sorted(order[i : i + 2]) for i in range(0, 8, 2)] == [[False, True]] * 4
+    # three sides: over three rounds each side takes every slot once
+    order = rotated_order(["a", "b", "t"], 3)
+    assert order == ["a", "b", "t", "b", "t", "a", "t", "a", "b"]
+    assert all(sorted(order[slot::3]) == ["a", "b", "t"] for slot in range(3))
 
 
 def test_speed_is_pooled_over_rounds_and_each_round_is_kept():
