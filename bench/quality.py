@@ -6,6 +6,7 @@
     .venv/bin/python bench/quality.py --checkpoint RUN/export --draft-lengths 1,2,3   # served draft lengths
     .venv/bin/python bench/quality.py --checkpoint RUN/export --speed-rounds 3        # a firmer speed-up
     .venv/bin/python bench/quality.py --compare RUN_A/export RUN_B/export --speed-rounds 3   # which pays more
+    .venv/bin/python bench/quality.py --compare RUN_A/export@1 RUN_A/export@3 --speed-rounds 2  # by length
 
 For each drafter: ``draftflow pipeline`` on the recipe (skipped with ``--checkpoint``), then
 ``draftflow evaluate --vllm`` of its export on the project's own evaluation set
@@ -32,6 +33,7 @@ A, T A B, ...), so all the speed-ups divide by one target-alone series measured 
 drafters each evaluated on its own are not comparable on a shared host: each run's target-alone
 reading moves with the load of its quarter hour. τ comes from vLLM's counters on each drafter's
 passes; every pass's outputs are checked against the target's. Needs no training and no store.
+``EXPORT@K`` serves that export with K drafted tokens (one export may race at several lengths).
 
 The gate is set to 1.0 for these runs (a benchmark reports; it does not refuse to publish).
 """
@@ -148,16 +150,17 @@ def compare(args: argparse.Namespace) -> list[dict]:
     launch = plan.recipe.vllm.launch
     if launch is None:
         raise SystemExit(f"{args.recipe}: --compare starts its own servers: the recipe needs vllm.launch")
-    verifiers = {checkpoint_info(c)["verifier"] for c in args.compare}
+    verifiers = {checkpoint_info(c)["verifier"] for c, _ in args.compare}
     if len(verifiers) != 1:
         raise SystemExit(f"--compare: the checkpoints draft for different targets: {sorted(verifiers)}")
     names, prompts, _, categories = load_prompt_set(
         plan, load_chat_encoder(plan.recipe.target), max_total_tokens=launch.max_model_len
     )
     sides = {}
-    for n, checkpoint in enumerate(args.compare, start=1):
-        label = drafter_label(checkpoint)
-        sides[f"{label} ({n})" if label in sides else label] = (checkpoint, None)
+    for n, (checkpoint, k) in enumerate(args.compare, start=1):
+        label = drafter_label(checkpoint) + (f", k={k}" if k else "")
+        config = {"num_speculative_tokens": k} if k else None
+        sides[f"{label} ({n})" if label in sides else label] = (checkpoint, config)
     sides["target alone"] = (verifiers.pop(), None)
     timed = decode_rounds(
         LaunchServerFactory(launch, log_dir=args.out),
@@ -169,8 +172,8 @@ def compare(args: argparse.Namespace) -> list[dict]:
     )
     target = timed.pop("target alone")
     rows = []
-    for (name, runs), checkpoint in zip(timed.items(), args.compare):
-        k = checkpoint_info(checkpoint)["speculative_tokens"]
+    for (name, runs), (checkpoint, served) in zip(timed.items(), args.compare):
+        k = served or checkpoint_info(checkpoint)["speculative_tokens"]
         per_prompt = [list(c) for c in zip(*(r.per_prompt for r in runs))]  # [prompt][pass]
         speed = speed_summary(runs, target)
         differing = sum(a != b for r in runs for a, b in zip(r.outputs, target[0].outputs))
@@ -193,6 +196,7 @@ def compare(args: argparse.Namespace) -> list[dict]:
                 "prompts": len(prompts),
                 "outputs_differing": differing,
                 "checkpoint": checkpoint,
+                "draft_length": k,
             }
         )
         if differing:
@@ -208,6 +212,13 @@ def acceptance(counters: list, k: int) -> dict:
         "tau_vllm": 1 + total.accepted / drafts,
         "per_position": [a / drafts for a in total.per_position(k)],
     }
+
+
+def compared(spec: str) -> tuple[str, int | None]:
+    """``EXPORT`` or ``EXPORT@K`` (served with K drafted tokens) → (absolute path, K or None)."""
+    served = re.fullmatch(r"(.+)@(\d+)", spec)
+    path, k = (served[1], int(served[2])) if served else (spec, None)
+    return str(Path(path).resolve()), k
 
 
 def drafter_label(checkpoint: str) -> str:
@@ -236,8 +247,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--compare",
         nargs="+",
-        metavar="EXPORT",
-        help="race these exports and the target alone in one rotation of servers (speed and τ only)",
+        metavar="EXPORT[@K]",
+        help="race these exports (@K: served with K drafted tokens) and the target alone in one "
+        "rotation of servers (speed and τ only)",
     )
     ap.add_argument(
         "--ablation", action="store_true", help="also train on chitchat/chatterbot at the same budget"
@@ -263,7 +275,7 @@ def parse_args() -> argparse.Namespace:
     args.recipe, args.out = args.recipe.resolve(), args.out.resolve()
     if args.checkpoint:
         args.checkpoint = str(Path(args.checkpoint).resolve())
-    args.compare = [str(Path(c).resolve()) for c in args.compare or []]
+    args.compare = [compared(spec) for spec in args.compare or []]
     return args
 
 

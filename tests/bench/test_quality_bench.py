@@ -24,7 +24,11 @@ def test_compared_exports_are_read_from_the_callers_folder_and_named_by_their_re
 ):
     quality = bench_module("quality")
     monkeypatch.chdir(tmp_path)
-    args = bench_args(quality, "--compare", "a/runs/eagle3-fp1/r1/export", "b/dflash-run")
-    assert args.compare == [str(tmp_path / "a/runs/eagle3-fp1/r1/export"), str(tmp_path / "b/dflash-run")]
-    assert [quality.drafter_label(c) for c in args.compare] == ["eagle3-fp1", "dflash-run"]
+    args = bench_args(quality, "--compare", "a/runs/eagle3-fp1/r1/export", "b/dflash-run", "a@b/x@2")
+    assert args.compare == [
+        (str(tmp_path / "a/runs/eagle3-fp1/r1/export"), None),
+        (str(tmp_path / "b/dflash-run"), None),
+        (str(tmp_path / "a@b/x"), 2),  # @K: served with K drafted tokens
+    ]
+    assert [quality.drafter_label(c) for c, _ in args.compare] == ["eagle3-fp1", "dflash-run", "x"]
     assert bench_args(quality).compare == []
