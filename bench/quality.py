@@ -138,7 +138,14 @@ def row(name: str, report: dict) -> dict:
 def compare(args: argparse.Namespace) -> list[dict]:
     """--compare: one row per drafter, all against one target-alone series (see the module doc)."""
     from draftflow.data.chat import load_chat_encoder
-    from draftflow.evaluation.in_vllm import LaunchServerFactory, decode_rounds, speed_summary
+    from draftflow.evaluation.categories import per_category
+    from draftflow.evaluation.in_vllm import (
+        GenerationRun,
+        LaunchServerFactory,
+        counters_report,
+        decode_rounds,
+        speed_summary,
+    )
     from draftflow.evaluation.run import load_prompt_set
     from draftflow.models import checkpoint_info
     from draftflow.plan import Plan
@@ -150,7 +157,8 @@ def compare(args: argparse.Namespace) -> list[dict]:
     launch = plan.recipe.vllm.launch
     if launch is None:
         raise SystemExit(f"{args.recipe}: --compare starts its own servers: the recipe needs vllm.launch")
-    verifiers = {checkpoint_info(c)["verifier"] for c, _ in args.compare}
+    infos = [checkpoint_info(c) for c, _ in args.compare]
+    verifiers = {info["verifier"] for info in infos}
     if len(verifiers) != 1:
         raise SystemExit(f"--compare: the checkpoints draft for different targets: {sorted(verifiers)}")
     names, prompts, _, categories = load_prompt_set(
@@ -172,21 +180,20 @@ def compare(args: argparse.Namespace) -> list[dict]:
     )
     target = timed.pop("target alone")
     rows = []
-    for (name, runs), (checkpoint, served) in zip(timed.items(), args.compare):
-        k = served or checkpoint_info(checkpoint)["speculative_tokens"]
-        per_prompt = [list(c) for c in zip(*(r.per_prompt for r in runs))]  # [prompt][pass]
+    for (name, runs), (checkpoint, served), info in zip(timed.items(), args.compare, infos):
+        # every pass's counters, summed per prompt (greedy: each pass repeats the first's)
+        pooled = GenerationRun(
+            runs[0].outputs, 0.0, [sum(cs[1:], cs[0]) for cs in zip(*(r.per_prompt for r in runs))]
+        )
+        report = counters_report(pooled, names, drafter=info["kind"], k=served or info["speculative_tokens"])
         speed = speed_summary(runs, target)
         differing = sum(a != b for r in runs for a, b in zip(r.outputs, target[0].outputs))
         rows.append(
             {
                 "drafter": name,
-                **acceptance([c for cs in per_prompt for c in cs], k),
-                "per_category": {
-                    cat: acceptance(
-                        [c for n, cs in zip(names, per_prompt) if categories[n] == cat for c in cs], k
-                    )["tau_vllm"]
-                    for cat in sorted(set(categories.values()))
-                },
+                "tau_vllm": report.mean_acceptance_length,
+                "per_position": report.per_position,
+                "per_category": {c: v["tau"] for c, v in per_category(report, categories).items()},
                 "with_drafter_tok_s": speed["with_drafter_tok_s"],
                 "target_alone_tok_s": speed["without_drafter_tok_s"],
                 "speedup": speed["speedup"],
@@ -196,22 +203,12 @@ def compare(args: argparse.Namespace) -> list[dict]:
                 "prompts": len(prompts),
                 "outputs_differing": differing,
                 "checkpoint": checkpoint,
-                "draft_length": k,
+                "draft_length": report.draft_length,
             }
         )
         if differing:
             print(f"{name}: {differing} outputs differ from the target alone's (not lossless?)", flush=True)
     return rows
-
-
-def acceptance(counters: list, k: int) -> dict:
-    """τ and per-position acceptance pooled over spec-decode counter deltas."""
-    total = sum(counters[1:], counters[0])
-    drafts = max(total.drafts, 1)
-    return {
-        "tau_vllm": 1 + total.accepted / drafts,
-        "per_position": [a / drafts for a in total.per_position(k)],
-    }
 
 
 def compared(spec: str) -> tuple[str, int | None]:

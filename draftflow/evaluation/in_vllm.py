@@ -295,27 +295,8 @@ def evaluate_in_vllm(
         True,
         request_timeout_s,
     )
-    per_prompt = [
-        PromptAcceptance(name, c.drafts, c.accepted, len(out), c.draft_tokens, c.per_position(k))
-        for name, c, out in zip(names, run.per_prompt, run.outputs)
-    ]
-    total = sum(run.per_prompt[1:], run.per_prompt[0])
-    report = AcceptanceReport(
-        source="vllm",
-        drafter=info["kind"],
-        draft_length=k,
-        num_prompts=len(prompts),
-        drafts=total.drafts,
-        draft_tokens=total.draft_tokens,
-        accepted_tokens=total.accepted,
-        accepted_per_position=total.per_position(k),
-        per_prompt=per_prompt,
-        max_new_tokens=max_new_tokens,
-        notes=[f"vLLM spec-decode counters; target {info['verifier']}"],
-    )
-    extra = [p for p in total.accepted_per_position if p >= k and total.accepted_per_position[p]]
-    if extra:
-        report.notes.append(f"counters report accepted positions {extra} beyond the draft length {k}")
+    report = counters_report(run, names, drafter=info["kind"], k=k, max_new_tokens=max_new_tokens)
+    report.notes.insert(0, f"vLLM spec-decode counters; target {info['verifier']}")
     baseline = None
     if measure_baseline:
         sides = {
@@ -337,6 +318,33 @@ def evaluate_in_vllm(
         ]
         report.notes += later_round_differences(timed["drafter"][1:], timed["target"][1:], baseline)
     return VLLMResult(report, run.outputs, baseline)
+
+
+def counters_report(
+    run: GenerationRun, names: Sequence[str], *, drafter: str, k: int, max_new_tokens: int | None = None
+) -> AcceptanceReport:
+    """The vLLM :class:`AcceptanceReport` of a pass whose counters were scraped per prompt."""
+    per_prompt = [
+        PromptAcceptance(name, c.drafts, c.accepted, len(out), c.draft_tokens, c.per_position(k))
+        for name, c, out in zip(names, run.per_prompt, run.outputs)
+    ]
+    total = sum(run.per_prompt[1:], run.per_prompt[0])
+    report = AcceptanceReport(
+        source="vllm",
+        drafter=drafter,
+        draft_length=k,
+        num_prompts=len(run.outputs),
+        drafts=total.drafts,
+        draft_tokens=total.draft_tokens,
+        accepted_tokens=total.accepted,
+        accepted_per_position=total.per_position(k),
+        per_prompt=per_prompt,
+        max_new_tokens=max_new_tokens,
+    )
+    extra = [p for p in total.accepted_per_position if p >= k and total.accepted_per_position[p]]
+    if extra:
+        report.notes.append(f"counters report accepted positions {extra} beyond the draft length {k}")
+    return report
 
 
 def later_round_differences(
