@@ -7,6 +7,7 @@
     .venv/bin/python bench/quality.py --checkpoint RUN/export --speed-rounds 3        # a firmer speed-up
     .venv/bin/python bench/quality.py --compare RUN_A/export RUN_B/export --speed-rounds 3   # which pays more
     .venv/bin/python bench/quality.py --compare RUN_A/export@1 RUN_A/export@3 --speed-rounds 2  # by length
+    .venv/bin/python bench/quality.py --compare RUN_A/export RUN_B/export --interleave --speed-rounds 2
 
 For each drafter: ``draftflow pipeline`` on the recipe (skipped with ``--checkpoint``), then
 ``draftflow evaluate --vllm`` of its export on the project's own evaluation set
@@ -34,6 +35,12 @@ drafters each evaluated on its own are not comparable on a shared host: each run
 reading moves with the load of its quarter hour. τ comes from vLLM's counters on each drafter's
 passes; every pass's outputs are checked against the target's. Needs no training and no store.
 ``EXPORT@K`` serves that export with K drafted tokens (one export may race at several lengths).
+
+``--compare ... --interleave`` runs every side's server at once (fresh ones each round) and
+decodes each prompt on every side back to back, the order rotating by prompt and round
+(``in_vllm.decode_rounds(..., interleave=True)``): the sides' requests are seconds apart instead of minutes, so a
+host that drifts by 15% between rounds moves the speed-up by about 1% (README, Benchmarks).
+Every request waits 1.2 s untimed first, so a round takes longer; servers need memory side by side.
 
 The gate is set to 1.0 for these runs (a benchmark reports; it does not refuse to publish).
 """
@@ -171,12 +178,13 @@ def compare(args: argparse.Namespace) -> list[dict]:
         sides[f"{label} ({n})" if label in sides else label] = (checkpoint, config)
     sides["target alone"] = (verifiers.pop(), None)
     timed = decode_rounds(
-        LaunchServerFactory(launch, log_dir=args.out),
+        LaunchServerFactory(launch, log_dir=args.out, host_lock=not args.interleave),
         sides,
         prompts,
         plan.recipe.evaluation.max_new_tokens,
         args.speed_rounds,
         scrape=list(sides)[:-1],
+        interleave=args.interleave,
     )
     target = timed.pop("target alone")
     rows = []
@@ -249,6 +257,11 @@ def parse_args() -> argparse.Namespace:
         "rotation of servers (speed and τ only)",
     )
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --compare: every side's server at once, each prompt on every side back to back",
+    )
+    ap.add_argument(
         "--ablation", action="store_true", help="also train on chitchat/chatterbot at the same budget"
     )
     ap.add_argument(
@@ -273,6 +286,8 @@ def parse_args() -> argparse.Namespace:
     if args.checkpoint:
         args.checkpoint = str(Path(args.checkpoint).resolve())
     args.compare = [compared(spec) for spec in args.compare or []]
+    if args.interleave and not args.compare:
+        ap.error("--interleave races drafters: it needs --compare")
     return args
 
 

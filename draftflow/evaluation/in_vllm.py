@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,8 @@ def parse_spec_counters(text: str) -> SpecCounters:
 
 class LaunchServerFactory:
     """Starts one vLLM server per use with a recipe's ``vllm.launch`` settings and stops it
-    afterwards; fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32)."""
+    afterwards; fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32).
+    ``host_lock=False``: CPU servers may run side by side (see ServerProcess)."""
 
     def __init__(
         self,
@@ -125,8 +126,9 @@ class LaunchServerFactory:
         dtype: str | None = None,
         log_dir: str | Path | None = None,
         host: str = "127.0.0.1",
+        host_lock: bool = True,
     ):
-        self.launch, self.log_dir, self.host = launch, log_dir, host
+        self.launch, self.log_dir, self.host, self.host_lock = launch, log_dir, host, host_lock
         self.dtype = dtype or ("float32" if launch.device == "cpu" else "auto")
 
     @contextmanager
@@ -142,7 +144,7 @@ class LaunchServerFactory:
             speculative_config=speculative_config,
             log_path=log,
         )
-        server = ServerProcess(spec).start()
+        server = ServerProcess(spec, host_lock=self.host_lock).start()
         try:
             server.wait_healthy(self.launch.startup_timeout_s)
             yield server.url
@@ -228,21 +230,37 @@ class _Server:
         return last
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, scrape: bool) -> GenerationRun:
-        self.complete(prompts[0], min(8, max_tokens))  # warm-up, before any counter is read
-        outputs, seconds, per_prompt = [], 0.0, []
-        before = self.counters() if scrape else None
+        timed = _Pass(self, prompts[0], max_tokens, scrape=scrape)
         for prompt in prompts:
-            tokens, elapsed = self.complete(prompt, max_tokens)
-            outputs.append(tokens)
-            seconds += elapsed
-            if scrape:
-                after = self.counters()
-                per_prompt.append(after - before)
-                before = after
-        return GenerationRun(outputs, seconds, per_prompt if scrape else None)
+            timed.decode(prompt)
+        return timed.run()
 
     def close(self) -> None:
         self.http.close()
+
+
+class _Pass:
+    """One side's timed pass over the prompts on one server, its counters read between requests."""
+
+    def __init__(self, server: _Server, warm_prompt: Sequence[int], max_tokens: int, *, scrape: bool):
+        server.complete(warm_prompt, min(8, max_tokens))  # warm-up, before any counter is read
+        self.server, self.max_tokens = server, max_tokens
+        self.before = server.counters() if scrape else None
+        self.outputs: list[list[int]] = []
+        self.seconds = 0.0
+        self.per_prompt: list[SpecCounters] = []
+
+    def decode(self, prompt: Sequence[int]) -> None:
+        tokens, elapsed = self.server.complete(prompt, self.max_tokens)
+        self.outputs.append(tokens)
+        self.seconds += elapsed
+        if self.before is not None:
+            after = self.server.counters()
+            self.per_prompt.append(after - self.before)
+            self.before = after
+
+    def run(self) -> GenerationRun:
+        return GenerationRun(self.outputs, self.seconds, self.per_prompt if self.before is not None else None)
 
 
 def _generate(
@@ -372,6 +390,11 @@ def rotated_order(sides: Sequence[str], rounds: int) -> list[str]:
     return [sides[(r + i) % n] for r in range(rounds) for i in range(n)]
 
 
+# vLLM's worker spins on its shared-memory queue for 1 s after its last read before it parks;
+# a server that has just decoded would otherwise take cores from the next one.
+BUSY_POLL_PAUSE_S = 1.2
+
+
 def decode_rounds(
     factory: ServerFactory,
     sides: dict[str, tuple[str, dict | None]],
@@ -382,11 +405,26 @@ def decode_rounds(
     *,
     first: GenerationRun | None = None,
     scrape: Sequence[str] = (),
+    interleave: bool = False,
+    pause_s: float = BUSY_POLL_PAUSE_S,
 ) -> dict[str, list[GenerationRun]]:
     """Decode ``prompts`` ``rounds`` times on each side ({name: (model, speculative config)}), a
     fresh server per pass, in :func:`rotated_order`. ``first``: the first pass, already run (the
     evaluator's counter-scraping pass). ``scrape``: sides whose spec-decode counters are read per
-    prompt (outside the timed requests)."""
+    prompt (outside the timed requests).
+
+    ``interleave``: every side's server runs at once (fresh ones each round, started one after
+    another) and each prompt is decoded on every side back to back, the order rotating by prompt
+    and round. A host whose speed drifts over minutes then slows every side alike, where passes
+    minutes apart can fall on a fast and a slow stretch. Each request waits ``pause_s`` untimed
+    first (see BUSY_POLL_PAUSE_S). The factory must allow servers side by side
+    (``LaunchServerFactory(..., host_lock=False)`` on a CPU host)."""
+    if interleave:
+        if first is not None:
+            raise ValueError("an interleaved round decodes every side at once: it cannot reuse a first pass")
+        return _interleaved_rounds(
+            factory, sides, prompts, max_new_tokens, rounds, request_timeout_s, scrape, pause_s
+        )
     timed: dict[str, list[GenerationRun]] = {name: [] for name in sides}
     for i, name in enumerate(rotated_order(list(sides), rounds)):
         if i == 0 and first is not None:
@@ -396,6 +434,26 @@ def decode_rounds(
         timed[name].append(
             _generate(factory, model, config, prompts, max_new_tokens, name in scrape, request_timeout_s)
         )
+    return timed
+
+
+def _interleaved_rounds(factory, sides, prompts, max_new_tokens, rounds, request_timeout_s, scrape, pause_s):
+    names = list(sides)
+    timed: dict[str, list[GenerationRun]] = {name: [] for name in names}
+    for r in range(rounds):
+        with ExitStack() as stack:
+            passes = {}
+            for name in names:
+                model, config = sides[name]
+                server = _Server(stack.enter_context(factory(model, config)), request_timeout_s)
+                stack.callback(server.close)
+                passes[name] = _Pass(server, prompts[0], max_new_tokens, scrape=name in scrape)
+            # prompt i of round r: the sides rotated by r + i
+            for name in rotated_order(names, r + len(prompts))[r * len(names) :]:
+                time.sleep(pause_s)
+                passes[name].decode(prompts[len(passes[name].outputs)])
+            for name in names:
+                timed[name].append(passes[name].run())
     return timed
 
 

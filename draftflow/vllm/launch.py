@@ -166,14 +166,18 @@ class ServerStartError(RuntimeError):
 # On a CPU host each vLLM server binds its OpenMP threads to the cores; a second server
 # started while one runs hangs in start-up without an error. CPU launches therefore take
 # this host-wide lock for as long as their server runs, and wait for it (saying so).
+# host_lock=False is for a caller that starts its servers one at a time, each once the one
+# before answers (bench/quality.py --interleave): vLLM 0.32 on a 2-core host starts and
+# serves that way.
 CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
 
 
 class ServerProcess:
     """A vLLM server this process started (and therefore may stop)."""
 
-    def __init__(self, spec: LaunchSpec, *, host_lock_timeout_s: float = 3600.0):
+    def __init__(self, spec: LaunchSpec, *, host_lock: bool = True, host_lock_timeout_s: float = 3600.0):
         self.spec = spec
+        self.use_host_lock = host_lock
         self.proc: subprocess.Popen | None = None
         self._log = None
         self._host_lock = None
@@ -229,7 +233,7 @@ class ServerProcess:
             Path(self.spec.staging_dir).mkdir(parents=True, exist_ok=True)
         # A server a killed run left behind would answer on our port or hold the host lock.
         lifecycle.reap_orphans()
-        if self.spec.device == "cpu":
+        if self.spec.device == "cpu" and self.use_host_lock:
             self._take_host_lock()
         self._log = open(log_path, "ab")
         self.start_token = lifecycle.new_start_token()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 
 def test_relative_paths_are_read_from_the_callers_folder(
     tmp_path: Path, monkeypatch, bench_module, bench_args
@@ -32,3 +34,10 @@ def test_compared_exports_are_read_from_the_callers_folder_and_named_by_their_re
     ]
     assert [quality.drafter_label(c) for c, _ in args.compare] == ["eagle3-fp1", "dflash-run", "x"]
     assert bench_args(quality).compare == []
+    assert bench_args(quality, "--compare", "x", "--interleave").interleave
+
+
+def test_interleave_needs_drafters_to_race(bench_module, bench_args):
+    quality = bench_module("quality")
+    with pytest.raises(SystemExit):
+        bench_args(quality, "--interleave")

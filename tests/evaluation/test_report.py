@@ -10,6 +10,7 @@ import pytest
 from draftflow.evaluation.in_vllm import (
     GenerationRun,
     SpecDecodeMetricsMissing,
+    decode_rounds,
     later_round_differences,
     parse_spec_counters,
     rotated_order,
@@ -155,6 +156,17 @@ def test_speed_rounds_rotate_which_side_goes_first():
     order = rotated_order(["a", "b", "t"], 3)
     assert order == ["a", "b", "t", "b", "t", "a", "t", "a", "b"]
     assert all(sorted(order[slot::3]) == ["a", "b", "t"] for slot in range(3))
+
+
+def test_an_interleaved_round_cannot_reuse_a_first_pass():
+    def no_server(model, config=None):
+        raise AssertionError("no server is started for a refused request")
+
+    first = GenerationRun([[1]], 1.0)
+    with pytest.raises(ValueError, match="interleaved"):
+        decode_rounds(
+            no_server, {"d": ("m", None), "t": ("m", None)}, [[1]], 4, 1, first=first, interleave=True
+        )
 
 
 def test_speed_is_pooled_over_rounds_and_each_round_is_kept():
