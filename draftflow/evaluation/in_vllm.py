@@ -381,13 +381,13 @@ def later_round_differences(
     return notes
 
 
-def rotated_order(sides: Sequence[str], rounds: int) -> list[str]:
+def rotated_order(sides: Sequence[str], rounds: int, first_round: int = 0) -> list[str]:
     """Which side each server start decodes: round r runs the sides rotated by r (D T, T D, D T,
-    ... for two; A B T, B T A, T A B for three). Every round has one pass of each side, and over
-    len(sides) rounds each side takes every slot once, so a host load that drifts steadily over the
-    measurement weighs on all sides alike."""
+    ... for two; A B T, B T A, T A B for three), for rounds ``first_round`` onwards. Every round has
+    one pass of each side, and over len(sides) rounds each side takes every slot once, so a host
+    load that drifts steadily over the measurement weighs on all sides alike."""
     n = len(sides)
-    return [sides[(r + i) % n] for r in range(rounds) for i in range(n)]
+    return [sides[(r + i) % n] for r in range(first_round, first_round + rounds) for i in range(n)]
 
 
 # vLLM's worker spins on its shared-memory queue for 1 s after its last read before it parks;
@@ -448,10 +448,10 @@ def _interleaved_rounds(factory, sides, prompts, max_new_tokens, rounds, request
                 server = _Server(stack.enter_context(factory(model, config)), request_timeout_s)
                 stack.callback(server.close)
                 passes[name] = _Pass(server, prompts[0], max_new_tokens, scrape=name in scrape)
-            # prompt i of round r: the sides rotated by r + i
-            for name in rotated_order(names, r + len(prompts))[r * len(names) :]:
-                time.sleep(pause_s)
-                passes[name].decode(prompts[len(passes[name].outputs)])
+            for i, prompt in enumerate(prompts):
+                for name in rotated_order(names, 1, first_round=r + i):
+                    time.sleep(pause_s)
+                    passes[name].decode(prompt)
             for name in names:
                 timed[name].append(passes[name].run())
     return timed

@@ -167,8 +167,8 @@ class ServerStartError(RuntimeError):
 # started while one runs hangs in start-up without an error. CPU launches therefore take
 # this host-wide lock for as long as their server runs, and wait for it (saying so).
 # host_lock=False is for a caller that starts its servers one at a time, each once the one
-# before answers (bench/quality.py --interleave): vLLM 0.32 on a 2-core host starts and
-# serves that way.
+# before answers (bench/quality.py --interleave): with vLLM 0.32 on a 2-core host, a server
+# started beside one that runs came up every time (10 starts, 2026-12-03).
 CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
 
 

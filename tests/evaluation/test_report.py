@@ -156,6 +156,8 @@ def test_speed_rounds_rotate_which_side_goes_first():
     order = rotated_order(["a", "b", "t"], 3)
     assert order == ["a", "b", "t", "b", "t", "a", "t", "a", "b"]
     assert all(sorted(order[slot::3]) == ["a", "b", "t"] for slot in range(3))
+    # a later stretch of the same rotation
+    assert rotated_order(["a", "b", "t"], 2, first_round=1) == order[3:]
 
 
 def test_an_interleaved_round_cannot_reuse_a_first_pass():
