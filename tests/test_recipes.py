@@ -121,6 +121,20 @@ MALFORMED = [
         "greater than or equal to 1",
     ),
     (
+        "speed-schedule-unknown",
+        lambda d: _set(d, "evaluation.speed_schedule", "shuffled"),
+        [],
+        "evaluation.speed_schedule",
+        "'rotated' or 'interleaved'",
+    ),
+    (
+        "interleaved-on-gpu",
+        lambda d: _set(_set(d, "evaluation.speed_schedule", "interleaved"), "vllm.launch.device", "cuda"),
+        [],
+        "evaluation.speed_schedule",
+        "CPU launches only",
+    ),
+    (
         "block-size-below-2",
         lambda d: _set(d, "drafter.block_size", 1),
         [],

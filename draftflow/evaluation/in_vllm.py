@@ -117,7 +117,10 @@ def parse_spec_counters(text: str) -> SpecCounters:
 class LaunchServerFactory:
     """Starts one vLLM server per use with a recipe's ``vllm.launch`` settings and stops it
     afterwards; fp32 on CPU unless ``dtype`` says otherwise (the simulator it is compared with runs fp32).
-    ``host_lock=False``: CPU servers may run side by side (see ServerProcess)."""
+    ``host_lock=False``: no server takes the CPU host lock (see ServerProcess). ``side_by_side``:
+    servers may run at once; the first takes the host lock and those started while it runs go
+    without (other processes still wait for it), so it must stop last: nested ``with`` blocks,
+    or one ExitStack, do that."""
 
     def __init__(
         self,
@@ -127,9 +130,12 @@ class LaunchServerFactory:
         log_dir: str | Path | None = None,
         host: str = "127.0.0.1",
         host_lock: bool = True,
+        side_by_side: bool = False,
     ):
         self.launch, self.log_dir, self.host, self.host_lock = launch, log_dir, host, host_lock
+        self.side_by_side = side_by_side
         self.dtype = dtype or ("float32" if launch.device == "cpu" else "auto")
+        self._running = 0
 
     @contextmanager
     def __call__(self, model: str, speculative_config: dict | None = None) -> Iterator[str]:
@@ -144,12 +150,15 @@ class LaunchServerFactory:
             speculative_config=speculative_config,
             log_path=log,
         )
-        server = ServerProcess(spec, host_lock=self.host_lock).start()
+        covered = self.side_by_side and self._running > 0  # by the lock the first server holds
+        server = ServerProcess(spec, host_lock=self.host_lock and not covered).start()
+        self._running += 1
         try:
             server.wait_healthy(self.launch.startup_timeout_s)
             yield server.url
         finally:
             server.stop()
+            self._running -= 1
 
 
 def reusing_factory(get: Callable[..., Any], **settings) -> ServerFactory:
@@ -290,6 +299,7 @@ def evaluate_in_vllm(
     speculative_config: dict | None = None,
     measure_baseline: bool = True,
     speed_rounds: int = 1,
+    interleave: bool = False,
     request_timeout_s: float = 600.0,
 ) -> VLLMResult:
     """Serve the target with ``checkpoint_dir`` as its drafter and read vLLM's own acceptance.
@@ -298,34 +308,35 @@ def evaluate_in_vllm(
     ``{"num_speculative_tokens": 5}``). measure_baseline: also serve the plain target (the
     verifier in config.json) for throughput and the lossless check. speed_rounds: with
     measure_baseline, decode the prompts this many times on each side (see :func:`rotated_order`).
+    interleave: with measure_baseline, time the sides with :func:`decode_rounds`'s interleaved
+    schedule (the factory must allow two servers at once); the counters come from its first round.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    if interleave and not measure_baseline:
+        raise ValueError(
+            "an interleaved schedule times the drafter against the target: needs measure_baseline"
+        )
     names = list(prompt_names) if prompt_names is not None else [str(i) for i in range(len(prompts))]
     info = checkpoint_info(checkpoint_dir)
     k = int((speculative_config or {}).get("num_speculative_tokens") or info["speculative_tokens"])
-    run = _generate(
-        server_factory,
-        str(checkpoint_dir),
-        speculative_config,
-        prompts,
-        max_new_tokens,
-        True,
-        request_timeout_s,
-    )
+    sides = {"drafter": (str(checkpoint_dir), speculative_config), "target": (info["verifier"], None)}
+    rounds = (server_factory, sides, prompts, max_new_tokens, speed_rounds, request_timeout_s)
+    timed = decode_rounds(*rounds, scrape=["drafter"], interleave=True) if interleave else None
+    if timed:
+        run = timed["drafter"][0]
+    else:
+        run = _generate(server_factory, *sides["drafter"], prompts, max_new_tokens, True, request_timeout_s)
     report = counters_report(run, names, drafter=info["kind"], k=k, max_new_tokens=max_new_tokens)
     report.notes.insert(0, f"vLLM spec-decode counters; target {info['verifier']}")
     baseline = None
     if measure_baseline:
-        sides = {
-            "drafter": (str(checkpoint_dir), speculative_config),
-            "target": (info["verifier"], None),
-        }
-        timed = decode_rounds(
-            server_factory, sides, prompts, max_new_tokens, speed_rounds, request_timeout_s, first=run
-        )
+        timed = timed or decode_rounds(*rounds, first=run)
         baseline = timed["target"][0].outputs
-        report.throughput = speed_summary(timed["drafter"], timed["target"])
+        report.throughput = dict(
+            speed_summary(timed["drafter"], timed["target"]),
+            schedule="interleaved" if interleave else "rotated",
+        )
         same = [a == b for a, b in zip(run.outputs, baseline)]
         report.outputs_identical = sum(same)
         report.notes += [
@@ -418,7 +429,7 @@ def decode_rounds(
     and round. A host whose speed drifts over minutes then slows every side alike, where passes
     minutes apart can fall on a fast and a slow stretch. Each request waits ``pause_s`` untimed
     first (see BUSY_POLL_PAUSE_S). The factory must allow servers side by side
-    (``LaunchServerFactory(..., host_lock=False)`` on a CPU host)."""
+    (``LaunchServerFactory(..., side_by_side=True)``)."""
     if interleave:
         if first is not None:
             raise ValueError("an interleaved round decodes every side at once: it cannot reuse a first pass")

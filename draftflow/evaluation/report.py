@@ -37,11 +37,14 @@ class PromptAcceptance:
 
 
 def rounds_text(throughput: dict) -> str:
-    """'' for one round; else how many alternating rounds were pooled and each one's speed-up."""
+    """How the speed-up was timed: interleaved (both servers up, each prompt on both back to back)
+    or not, and for more than one round how many were pooled and each one's speed-up."""
     rounds = throughput.get("rounds") or []
+    interleaved = throughput.get("schedule") == "interleaved"
+    how = "interleaved" if interleaved else "alternating"
     if len(rounds) < 2:
-        return ""
-    return f", pooled over {len(rounds)} alternating rounds: " + " / ".join(f"{r:.2f}x" for r in rounds)
+        return ", interleaved: both servers up, each prompt on both in turn" if interleaved else ""
+    return f", pooled over {len(rounds)} {how} rounds: " + " / ".join(f"{r:.2f}x" for r in rounds)
 
 
 @dataclass

@@ -109,6 +109,7 @@ def evaluate_prompts(
     speculative_config: dict | None = None,
     measure_baseline: bool = True,
     speed_rounds: int = 1,
+    interleave: bool = False,
     model=None,
     meta: dict | None = None,
     storage_options: dict | None = None,
@@ -159,6 +160,7 @@ def evaluate_prompts(
             speculative_config=speculative_config,
             measure_baseline=measure_baseline,
             speed_rounds=speed_rounds,
+            interleave=interleave,
         )
         same = sum(a == b for a, b in zip(run.vllm.outputs, run.offline.outputs))
         run.vllm.report.notes.append(f"{same}/{len(prompts)} outputs identical to the offline simulator's")
@@ -275,7 +277,9 @@ def evaluate_checkpoint(
                 "needs vllm.launch settings, or pass --no-vllm"
             )
         log_dir = None if is_remote(out) else out
-        server_factory = LaunchServerFactory(launch, log_dir=log_dir)
+        server_factory = LaunchServerFactory(
+            launch, log_dir=log_dir, side_by_side=ev.speed_schedule == "interleaved" and ev.measure_speedup
+        )
     encoder = load_chat_encoder(plan.recipe.target)
     max_total = launch.max_model_len if in_vllm and launch is not None else None
     categories: dict[str, str] = {}
@@ -330,6 +334,7 @@ def evaluate_checkpoint(
         speculative_config=speculative_config,
         measure_baseline=ev.measure_speedup,
         speed_rounds=ev.speed_rounds,
+        interleave=ev.speed_schedule == "interleaved" and ev.measure_speedup,
         meta=meta,
         storage_options=storage_options,
     )

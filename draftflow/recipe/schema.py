@@ -391,6 +391,12 @@ class EvaluationSection(Section):
     speed_rounds: int = Field(
         1, ge=1, le=20, description="Speed-up rounds: D T, T D, ... on fresh servers, pooled (README)."
     )
+    speed_schedule: Literal["rotated", "interleaved"] = Field(
+        "rotated",
+        description="rotated: one side's server at a time, whole passes; interleaved (CPU launches): "
+        "both servers up at once, each prompt decoded on both back to back, so host drift hits both "
+        "(only when measure_speedup).",
+    )
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
         "held_out",
         description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
@@ -437,6 +443,12 @@ class Recipe(Section):
                     f"drafter.context_layer_ids {ctx} must be a subset of extraction.layer_ids {ids}"
                 )
         launch = self.vllm.launch
+        if self.evaluation.speed_schedule == "interleaved" and (launch is None or launch.device != "cpu"):
+            raise ValueError(
+                "evaluation.speed_schedule interleaved runs two launched servers side by side: CPU "
+                "launches only (vllm.launch.device: cpu; on a GPU each server reserves "
+                "gpu_memory_utilization of the card)"
+            )
         if launch is not None and self.data.max_length >= launch.max_model_len:
             raise ValueError(
                 f"data.max_length ({self.data.max_length}) must be below "

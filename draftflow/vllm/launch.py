@@ -166,9 +166,9 @@ class ServerStartError(RuntimeError):
 # On a CPU host each vLLM server binds its OpenMP threads to the cores; a second server
 # started while one runs hangs in start-up without an error. CPU launches therefore take
 # this host-wide lock for as long as their server runs, and wait for it (saying so).
-# host_lock=False is for a caller that starts its servers one at a time, each once the one
-# before answers (bench/quality.py --interleave): with vLLM 0.32 on a 2-core host, a server
-# started beside one that runs came up every time (10 starts, 2026-12-03).
+# host_lock=False is for a server started beside one that holds the lock, once that one
+# answers (LaunchServerFactory(side_by_side=True): interleaved speed rounds): with vLLM 0.32 on
+# a 2-core host, a server started beside one that runs came up every time (10 starts, 2026-12-03).
 CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
 
 

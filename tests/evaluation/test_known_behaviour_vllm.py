@@ -14,24 +14,18 @@ output with the drafter must equal its output without it, and the simulator's (t
 Server start-ups: Eagle3, then DFlash, then the plain target (throughput and lossless baseline),
 then the same DFlash served with 2 of its block's 3 draft tokens (vLLM builds a shorter block); then
 Eagle3 and the target once more (the two drafters and the target decoding in one rotation); then
-that DFlash and the target side by side (interleaved).
+that DFlash and the target side by side (interleaved), both launched by the test itself.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import pytest
 from known_drafters import dflash_checkpoint, eagle3_checkpoint
 
 from draftflow.evaluation import in_vllm
-from draftflow.evaluation.in_vllm import (
-    LaunchServerFactory,
-    decode_rounds,
-    reusing_factory,
-    speed_summary,
-)
+from draftflow.evaluation.in_vllm import LaunchServerFactory, decode_rounds, reusing_factory, speed_summary
 from draftflow.evaluation.run import evaluate_prompts
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.target import read_target_info
@@ -200,48 +194,58 @@ def test_two_drafters_and_the_target_decode_in_one_rotation(run, prompts, vllm_s
     assert speed["with_drafter_tok_s"] > 0 and speed["without_drafter_tok_s"] > 0
 
 
-def test_interleaved_sides_run_side_by_side_and_take_turns_per_prompt(
+def test_interleaved_evaluation_runs_both_servers_under_one_host_lock_and_takes_turns(
     run, prompts, smollm2_dir, vllm_python, vllm_servers, tmp_path, monkeypatch
 ):
-    """decode_rounds(interleave=True) (bench/quality.py --compare --interleave): both servers up at once, each
-    prompt decoded on both back to back, the order rotating by prompt; same outputs and counters
-    as a pass on its own. The target side is the pool's server (it holds the host lock), the
-    drafter's is launched beside it without the lock."""
+    """evaluate_in_vllm(interleave=True) (evaluation.speed_schedule: interleaved, and bench/quality.py
+    --interleave): LaunchServerFactory(side_by_side=True) starts the target's and the drafter's
+    servers at once; the first holds the CPU host lock (another process would wait) and the second
+    starts beside it; each prompt is decoded on both back to back, the order rotating by prompt.
+    The counters, read on the interleaved pass, equal the drafter's own evaluation's."""
+    vllm_servers.stop()  # the pool's server holds the host lock; this test takes it itself
     launch = VLLMLaunchSection(python=vllm_python, device="cpu", max_model_len=1024, cpu_reserved_cores=0)
-    launcher = LaunchServerFactory(launch, log_dir=tmp_path, host_lock=False)
-    pool = reusing_factory(vllm_servers.get, max_model_len=1024)
-    served, running, most = {}, set(), [0]
-
-    @contextmanager
-    def factory(model, config=None):
-        with (launcher if config else pool)(model, config) as url:
-            served[url] = "dflash" if config else "target"
-            running.add(url)
-            most[0] = max(most[0], len(running))
-            try:
-                yield url
-            finally:
-                running.discard(url)
-
-    requests = []
+    factory = LaunchServerFactory(launch, log_dir=tmp_path, side_by_side=True)
+    urls, lock_free_while_serving = [], []
     complete = in_vllm._Server.complete
 
     def spy(self, prompt, max_tokens):
-        requests.append((served[self.url], max_tokens))
+        if max_tokens == MAX_NEW_TOKENS:  # a timed request (the counters' scrapes use 1 token)
+            urls.append(self.url)
+            lock_free_while_serving.append(host_lock_is_free())
         return complete(self, prompt, max_tokens)
 
     monkeypatch.setattr(in_vllm._Server, "complete", spy)
     short = run["dflash-served-2"].evaluation
-    sides = {"dflash": (short.checkpoint, {"num_speculative_tokens": 2}), "target": (str(smollm2_dir), None)}
-    timed = decode_rounds(
-        factory, sides, prompts, MAX_NEW_TOKENS, 1, scrape=["dflash"], interleave=True, pause_s=0.1
+    result = in_vllm.evaluate_in_vllm(
+        short.checkpoint,
+        prompts,
+        max_new_tokens=MAX_NEW_TOKENS,
+        server_factory=factory,
+        prompt_names=list(QUESTIONS),
+        speculative_config={"num_speculative_tokens": 2},
+        interleave=True,
     )
-    assert most[0] == 2 and not running
-    timed_requests = [side for side, n in requests if n == MAX_NEW_TOKENS]
-    assert timed_requests == ["dflash", "target", "target", "dflash"] * 2  # D T, T D, D T, T D
-    plain = run["dflash"].vllm.baseline_outputs
-    assert timed["dflash"][0].outputs == plain and timed["target"][0].outputs == plain
-    expected = [(p.drafts, p.accepted) for p in short.vllm.per_prompt]
-    assert [(c.drafts, c.accepted) for c in timed["dflash"][0].per_prompt] == expected
-    assert timed["target"][0].per_prompt is None
-    assert speed_summary(timed["dflash"], timed["target"])["speedup"] > 0
+    assert host_lock_is_free() and factory._running == 0
+    assert lock_free_while_serving == [False] * 2 * len(prompts)
+    drafter, target = urls[0], urls[1]  # the first prompt goes to the drafter first
+    assert drafter != target
+    assert urls == [drafter, target, target, drafter] * 2  # D T, T D, D T, T D: both up throughout
+    report, plain = result.report, run["dflash"].vllm.baseline_outputs
+    assert result.outputs == plain and result.baseline_outputs == plain
+    assert report.outputs_identical == len(prompts)
+    assert counts(report) == counts(short.vllm)
+    assert report.throughput["schedule"] == "interleaved" and report.throughput["speedup"] > 0
+
+
+def host_lock_is_free() -> bool:
+    import fcntl
+
+    from draftflow.vllm.launch import CPU_HOST_LOCK
+
+    with open(CPU_HOST_LOCK, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True

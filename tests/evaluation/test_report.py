@@ -11,6 +11,7 @@ from draftflow.evaluation.in_vllm import (
     GenerationRun,
     SpecDecodeMetricsMissing,
     decode_rounds,
+    evaluate_in_vllm,
     later_round_differences,
     parse_spec_counters,
     rotated_order,
@@ -182,6 +183,24 @@ def test_speed_is_pooled_over_rounds_and_each_round_is_kept():
     assert t["rounds"] == pytest.approx([2.0, 1.0])
     assert rounds_text(t) == ", pooled over 2 alternating rounds: 2.00x / 1.00x"
     assert rounds_text(speed_summary(with_drafter[:1], without[:1])) == ""
+    assert rounds_text(dict(t, schedule="interleaved")) == ", pooled over 2 interleaved rounds: 2.00x / 1.00x"
+    one = dict(speed_summary(with_drafter[:1], without[:1]), schedule="interleaved")
+    assert rounds_text(one) == ", interleaved: both servers up, each prompt on both in turn"
+
+
+def test_an_interleaved_evaluation_needs_the_target_side():
+    def no_server(model, config=None):
+        raise AssertionError("no server is started for a refused request")
+
+    with pytest.raises(ValueError, match="measure_baseline"):
+        evaluate_in_vllm(
+            "unused",
+            [[1]],
+            max_new_tokens=4,
+            server_factory=no_server,
+            measure_baseline=False,
+            interleave=True,
+        )
 
 
 def test_markdown_names_the_rounds_of_a_pooled_speedup(tmp_path):
