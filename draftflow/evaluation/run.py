@@ -269,6 +269,7 @@ def evaluate_checkpoint(
     )
     ev, launch = plan.recipe.evaluation, plan.recipe.vllm.launch
     in_vllm = ev.in_vllm if in_vllm is None else in_vllm
+    interleave = ev.speed_schedule == "interleaved" and ev.measure_speedup  # both servers up at once
     out = str(out_dir) if out_dir is not None else default_eval_dir(checkpoint_dir)
     if in_vllm and server_factory is None:
         if launch is None:
@@ -277,9 +278,7 @@ def evaluate_checkpoint(
                 "needs vllm.launch settings, or pass --no-vllm"
             )
         log_dir = None if is_remote(out) else out
-        server_factory = LaunchServerFactory(
-            launch, log_dir=log_dir, side_by_side=ev.speed_schedule == "interleaved" and ev.measure_speedup
-        )
+        server_factory = LaunchServerFactory(launch, log_dir=log_dir, side_by_side=interleave)
     encoder = load_chat_encoder(plan.recipe.target)
     max_total = launch.max_model_len if in_vllm and launch is not None else None
     categories: dict[str, str] = {}
@@ -334,7 +333,7 @@ def evaluate_checkpoint(
         speculative_config=speculative_config,
         measure_baseline=ev.measure_speedup,
         speed_rounds=ev.speed_rounds,
-        interleave=ev.speed_schedule == "interleaved" and ev.measure_speedup,
+        interleave=interleave,
         meta=meta,
         storage_options=storage_options,
     )

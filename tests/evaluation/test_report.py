@@ -161,10 +161,11 @@ def test_speed_rounds_rotate_which_side_goes_first():
     assert rotated_order(["a", "b", "t"], 2, first_round=1) == order[3:]
 
 
-def test_an_interleaved_round_cannot_reuse_a_first_pass():
-    def no_server(model, config=None):
-        raise AssertionError("no server is started for a refused request")
+def no_server(model, config=None):
+    raise AssertionError("no server is started for a refused request")
 
+
+def test_an_interleaved_round_cannot_reuse_a_first_pass():
     first = GenerationRun([[1]], 1.0)
     with pytest.raises(ValueError, match="interleaved"):
         decode_rounds(
@@ -189,9 +190,6 @@ def test_speed_is_pooled_over_rounds_and_each_round_is_kept():
 
 
 def test_an_interleaved_evaluation_needs_the_target_side():
-    def no_server(model, config=None):
-        raise AssertionError("no server is started for a refused request")
-
     with pytest.raises(ValueError, match="measure_baseline"):
         evaluate_in_vllm(
             "unused",
