@@ -8,11 +8,14 @@ is a pre-exec hook: the kernel sends the child SIGTERM when its parent dies, eve
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -23,6 +26,21 @@ def terminate_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def live_members(pgid: int) -> list[int]:
+    """The processes of group `pgid` that have not exited (zombies left out; Linux /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
 
 
 def group_alive(proc: subprocess.Popen) -> bool:
@@ -41,14 +59,42 @@ def stop_group(proc: subprocess.Popen, grace_s: float, kill_wait_s: float = 10.0
     """SIGTERM the group ``proc`` leads, SIGKILL what is left after ``grace_s``. True if any was running."""
     if not group_alive(proc):
         return False
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and group_alive(proc):
-            time.sleep(0.1)
-        if not group_alive(proc):
-            break
+    signal_group(proc.pid, grace_s, lambda: group_alive(proc), kill_wait_s)
     return True
+
+
+def signal_group(
+    pgid: int,
+    grace_s: float,
+    alive: Callable[[], bool],
+    kill_wait_s: float = 10.0,
+    no_point_waiting: Callable[[], bool] | None = None,
+) -> None:
+    """SIGTERM (and SIGCONT: a stopped process acts on it only once continued) the group, then
+    SIGKILL what is left after ``grace_s``, or as soon as ``no_point_waiting()``; return once
+    ``alive()`` is False or ``kill_wait_s`` after the SIGKILL. A process that joins the group
+    after the SIGTERM (one its starting parent forks meanwhile) is sent its own."""
+    try:
+        told = set(live_members(pgid))
+        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and alive():
+        if no_point_waiting is not None and no_point_waiting():
+            break
+        for pid in set(live_members(pgid)) - told:
+            told.add(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        time.sleep(0.1)
+    if not alive():
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + kill_wait_s
+    while time.monotonic() < deadline and alive():
+        time.sleep(0.1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import tempfile
@@ -23,9 +22,11 @@ from pathlib import Path
 import httpx
 
 from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
+from draftflow.process_group import live_members, signal_group
 from draftflow.recipe.load import expand
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm import lifecycle
+from draftflow.vllm.engine_exit import engine_gone_for
 
 log = logging.getLogger(__name__)
 
@@ -340,15 +341,10 @@ class ServerProcess:
             self._close_pipe()
             return
         pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            if not self._group_alive(pgid):
-                break
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            if self._wait_group_gone(pgid, wait):
-                break
+        if self._group_alive(pgid):
+            signal_group(
+                pgid, grace_s, lambda: self._group_alive(pgid), no_point_waiting=engine_gone_for(pgid)
+            )
         self._close_log()
         self._release_host_lock()
         self._close_pipe()
@@ -361,22 +357,8 @@ class ServerProcess:
             self._launcher_pipe = None
 
     def _group_alive(self, pgid: int) -> bool:
-        self.proc.poll()  # reap our own child, or its zombie would keep the group alive
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def _wait_group_gone(self, pgid: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self._group_alive(pgid):
-                return True
-            time.sleep(0.1)
-        return False
+        self.proc.poll()  # reap our own child
+        return bool(live_members(pgid))  # a zombie nobody reaps (the engine core's) is gone
 
     def _close_log(self) -> None:
         if self._log is not None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from draftflow.process_group import live_members, signal_group
 from draftflow.recipe.load import default_home
+from draftflow.vllm.engine_exit import engine_gone_for
 
 log = logging.getLogger(__name__)
 
@@ -144,18 +144,7 @@ def reap_orphans(grace_s: float = 20.0) -> list[ServerRecord]:
 
 
 def stop_group(pgid: int, grace_s: float) -> None:
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-            if sig == signal.SIGTERM:
-                os.killpg(pgid, signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _group_alive(pgid):
-                return
-            time.sleep(0.1)
+    signal_group(pgid, grace_s, lambda: _group_alive(pgid), no_point_waiting=engine_gone_for(pgid))
 
 
 def _group_alive(pgid: int) -> bool:
@@ -165,22 +154,7 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # Zombies still count for killpg; a group of zombies only is gone for our purposes.
-    return any(process_start_time(pid) is not None for pid in group_members(pgid))
-
-
-def group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            out.append(int(entry))
-    return out
+    return bool(live_members(pgid))  # killpg counts zombies; a group of zombies only is gone
 
 
 def listening_socket_inodes(port: int) -> set[int]:
@@ -205,7 +179,7 @@ def group_listens_on(pgid: int, port: int) -> bool:
     inodes = {f"socket:[{i}]" for i in listening_socket_inodes(port)}
     if not inodes:
         return False
-    for pid in group_members(pgid):
+    for pid in live_members(pgid):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:

@@ -1,6 +1,7 @@
 """``python -m draftflow.vllm.watchdog FD -- CMD...``: run a vLLM server that dies with its launcher.
 
-Run by the vLLM virtualenv's Python, so it imports only the standard library. The launcher
+Run by the vLLM virtualenv's Python, so it imports only the standard library (and draftflow's
+standard-library-only modules). The launcher
 keeps the write end of a pipe whose read end is ``FD``; the kernel closes it when the
 launcher exits in any way (``kill -9`` included), and EOF here stops the server's whole
 process group (SIGTERM, then SIGKILL after a grace period).
@@ -22,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from draftflow.process_group import signal_group
+from draftflow.vllm.engine_exit import engine_gone_for
+
 PR_SET_PDEATHSIG = 1
 GRACE_S = 20.0
 
@@ -36,17 +40,13 @@ def _in_child() -> None:
 
 
 def stop_group(child: subprocess.Popen) -> None:
-    """SIGTERM the group (this process ignores it), SIGKILL what is left after the grace period."""
+    """SIGTERM the group (this process ignores it), SIGKILL what is left after the grace period,
+    or once vLLM's engine has gone and the API server has not followed (engine_exit). The SIGKILL
+    ends this process too."""
     group = os.getpgid(0)
-    try:
-        os.killpg(group, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and child.poll() is None:
-        time.sleep(0.2)
+    signal_group(group, GRACE_S, lambda: child.poll() is None, no_point_waiting=engine_gone_for(group))
     time.sleep(1.0)  # vLLM's engine processes outlive the API server by a moment
-    os.killpg(group, signal.SIGKILL)  # ends this process too
+    os.killpg(group, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> int:

@@ -23,10 +23,10 @@ from test_blocks_secrets import decoded_result, local_bytes, planted, read_every
 from blocks.infrastructure import HiddenStateStore, VLLMServer
 from draftflow.data.prepare import prepare_recipe
 from draftflow.plan import Plan
+from draftflow.process_group import live_members
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.store import Store, read_manifest
 from draftflow.vllm.launch import free_port
-from draftflow.vllm.lifecycle import group_members
 from draftflow.vllm.server import ensure_running
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ class ArgvWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            members = {pid for g in self.groups for pid in group_members(g)}
+            members = {pid for g in self.groups for pid in live_members(g)}
             for entry in Path("/proc").iterdir():
                 if not entry.name.isdigit():
                     continue

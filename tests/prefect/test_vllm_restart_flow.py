@@ -16,6 +16,7 @@ from extraction_helpers import launch_recipe_dict, request_count
 
 from draftflow.extraction import expected_samples
 from draftflow.plan import Plan
+from draftflow.process_group import live_members
 from draftflow.store import Store, read_manifest, verify
 from draftflow.vllm import lifecycle
 from draftflow.vllm.launch import free_port
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 def api_server_pids(pgid: int) -> list[int]:
     """The vLLM API server of a launched group (not its watchdog, not the engine core)."""
     out = []
-    for pid in lifecycle.group_members(pgid):
+    for pid in live_members(pgid):
         try:
             if b"vllm.entrypoints" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 out.append(pid)

@@ -53,13 +53,17 @@ def test_trained_dflash_is_lossless_in_vllm_with_non_zero_acceptance(train_dir, 
         min_acceptance_length=1.0,
         agreement_tolerance=0.10,
         in_vllm=True,
-        measure_baseline=True,
+        # no target-alone server: the offline simulator's outputs are SmolLM2's own greedy tokens
+        # (transformers), and vLLM with the drafter must reproduce them
+        measure_baseline=False,
         server_factory=reusing_factory(vllm_servers.get, max_model_len=1024),
         target_info=plan.target,
         fingerprint=plan.fingerprint,
     )
     served = run.vllm.report
-    assert served.outputs_identical == len(prompts), "greedy output with the drafter must equal SmolLM2's own"
-    assert run.vllm.outputs == run.vllm.baseline_outputs
+    assert run.vllm.baseline_outputs is None and served.throughput is None
+    assert run.vllm.outputs == run.offline.outputs, "greedy output with the drafter must equal SmolLM2's own"
+    assert f"{len(prompts)}/{len(prompts)} outputs identical to the offline simulator's" in served.notes
+    assert all(len(out) > 0 for out in run.vllm.outputs)
     assert served.drafts > 0 and served.accepted_tokens > 0, served.to_dict()
     assert run.evaluation.agrees, (run.offline.report.mean_acceptance_length, served.mean_acceptance_length)

@@ -228,10 +228,10 @@ def test_api_key_is_in_no_child_argv_and_store_secrets_in_no_child_env(smollm2_e
     """Every process of the launched server (watchdog, API server, engine): /proc/PID/cmdline
     never holds the API key (any user can read it with ps); the environment has no store options."""
     from draftflow.process_env import STORAGE_OPTIONS_ENV
-    from draftflow.vllm.lifecycle import group_members
+    from draftflow.process_group import live_members
 
     [server] = smollm2_extraction.handle.started
-    members = group_members(server.pid)
+    members = live_members(server.pid)
     assert len(members) >= 2  # the watchdog and vLLM at least
     for pid in members:
         argv = open(f"/proc/{pid}/cmdline", "rb").read()

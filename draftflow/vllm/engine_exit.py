@@ -1,0 +1,49 @@
+"""When stopping a vLLM server need not wait any longer: its engine has exited.
+
+Standard library only: the watchdog, run by the vLLM virtualenv's Python, imports it too.
+
+The grace between SIGTERM and SIGKILL is for vLLM's engine (core and workers) to shut down
+cleanly. Once the engine is gone the API server has little left to do, and one stopped during
+start-up never leaves: vLLM 0.32's API server, sent SIGTERM after its engine core started but
+before it answers, waits for an engine that has exited (it outlived 40 s in a probe). So a stop
+waits :data:`AFTER_ENGINE_S` after the last engine process, whatever the grace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from draftflow.process_group import live_members
+
+#: vLLM titles its engine processes ``VLLM::EngineCore``, ``VLLM::Worker``...
+ENGINE_TITLE = b"VLLM::"
+#: How long the API server may take to follow its engine out.
+AFTER_ENGINE_S = 3.0
+
+
+def engine_running(pgid: int) -> bool:
+    for pid in live_members(pgid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(ENGINE_TITLE):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def engine_gone_for(pgid: int, seconds: float = AFTER_ENGINE_S) -> Callable[[], bool]:
+    """A predicate, polled while a stop waits: True once no engine process of the group has run
+    for `seconds`."""
+    since: list[float] = []
+
+    def gone() -> bool:
+        if engine_running(pgid):
+            since.clear()
+            return False
+        if not since:
+            since.append(time.monotonic())
+        return time.monotonic() - since[0] >= seconds
+
+    return gone
