@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
-from draftflow.process_group import live_members, signal_group
+from draftflow.process_group import signal_group
 from draftflow.recipe.load import expand
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm import lifecycle
@@ -357,8 +357,14 @@ class ServerProcess:
             self._launcher_pipe = None
 
     def _group_alive(self, pgid: int) -> bool:
-        self.proc.poll()  # reap our own child
-        return bool(live_members(pgid))  # a zombie nobody reaps (the engine core's) is gone
+        self.proc.poll()  # reap our own child, or its zombie would keep the group alive
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
     def _close_log(self) -> None:
         if self._log is not None:
