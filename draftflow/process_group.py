@@ -68,12 +68,12 @@ def signal_group(
     grace_s: float,
     alive: Callable[[], bool],
     kill_wait_s: float = 10.0,
-    no_point_waiting: Callable[[], bool] | None = None,
+    no_point_waiting: Callable[[list[int]], bool] | None = None,
 ) -> None:
     """SIGTERM (and SIGCONT: a stopped process acts on it only once continued) the group, then
-    SIGKILL what is left after ``grace_s``, or as soon as ``no_point_waiting()``; return once
-    ``alive()`` is False or ``kill_wait_s`` after the SIGKILL. A process that joins the group
-    after the SIGTERM (one its starting parent forks meanwhile) is sent its own."""
+    SIGKILL what is left after ``grace_s``, or as soon as ``no_point_waiting(live members)``;
+    return once ``alive()`` is False or ``kill_wait_s`` after the SIGKILL. A process that joins
+    the group after the SIGTERM (one its starting parent forks meanwhile) is sent its own."""
     try:
         told = set(live_members(pgid))
         os.killpg(pgid, signal.SIGTERM)
@@ -82,9 +82,10 @@ def signal_group(
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and alive():
-        if no_point_waiting is not None and no_point_waiting():
+        members = live_members(pgid)  # one /proc scan per tick, for both uses
+        if no_point_waiting is not None and no_point_waiting(members):
             break
-        for pid in set(live_members(pgid)) - told:
+        for pid in set(members) - told:
             told.add(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

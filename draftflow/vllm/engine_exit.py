@@ -15,16 +15,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from draftflow.process_group import live_members
-
 #: vLLM titles its engine processes ``VLLM::EngineCore``, ``VLLM::Worker``...
 ENGINE_TITLE = b"VLLM::"
 #: How long the API server may take to follow its engine out.
 AFTER_ENGINE_S = 3.0
 
 
-def engine_running(pgid: int) -> bool:
-    for pid in live_members(pgid):
+def engine_running(pids: list[int]) -> bool:
+    """Whether any of `pids` (a group's live members) is one of vLLM's engine processes."""
+    for pid in pids:
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(ENGINE_TITLE):
                 return True
@@ -33,13 +32,13 @@ def engine_running(pgid: int) -> bool:
     return False
 
 
-def engine_gone_for(pgid: int, seconds: float = AFTER_ENGINE_S) -> Callable[[], bool]:
-    """A predicate, polled while a stop waits: True once no engine process of the group has run
-    for `seconds`."""
+def engine_gone_for(seconds: float = AFTER_ENGINE_S) -> Callable[[list[int]], bool]:
+    """A predicate on a group's live members, polled while a stop waits: True once none of them
+    has been an engine process for `seconds`."""
     since: list[float] = []
 
-    def gone() -> bool:
-        if engine_running(pgid):
+    def gone(pids: list[int]) -> bool:
+        if engine_running(pids):
             since.clear()
             return False
         if not since:

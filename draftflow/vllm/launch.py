@@ -342,9 +342,7 @@ class ServerProcess:
             return
         pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
         if self._group_alive(pgid):
-            signal_group(
-                pgid, grace_s, lambda: self._group_alive(pgid), no_point_waiting=engine_gone_for(pgid)
-            )
+            signal_group(pgid, grace_s, lambda: self._group_alive(pgid), no_point_waiting=engine_gone_for())
         self._close_log()
         self._release_host_lock()
         self._close_pipe()

@@ -144,7 +144,7 @@ def reap_orphans(grace_s: float = 20.0) -> list[ServerRecord]:
 
 
 def stop_group(pgid: int, grace_s: float) -> None:
-    signal_group(pgid, grace_s, lambda: _group_alive(pgid), no_point_waiting=engine_gone_for(pgid))
+    signal_group(pgid, grace_s, lambda: _group_alive(pgid), no_point_waiting=engine_gone_for())
 
 
 def _group_alive(pgid: int) -> bool:

@@ -1,10 +1,9 @@
 """``python -m draftflow.vllm.watchdog FD -- CMD...``: run a vLLM server that dies with its launcher.
 
-Run by the vLLM virtualenv's Python, so it imports only the standard library (and draftflow's
-standard-library-only modules). The launcher
-keeps the write end of a pipe whose read end is ``FD``; the kernel closes it when the
-launcher exits in any way (``kill -9`` included), and EOF here stops the server's whole
-process group (SIGTERM, then SIGKILL after a grace period).
+Run by the vLLM virtualenv's Python, so it imports only the standard library and draftflow's
+standard-library-only modules. The launcher keeps the write end of a pipe whose read end is
+``FD``; the kernel closes it when the launcher exits in any way (``kill -9`` included), and
+EOF here stops the server's whole process group (SIGTERM, then SIGKILL after a grace period).
 
 Why a pipe and not ``prctl(PR_SET_PDEATHSIG)`` in the launcher: the parent-death signal
 fires when the *thread* that forked exits, and Prefect runs tasks in worker threads, so a
@@ -44,7 +43,7 @@ def stop_group(child: subprocess.Popen) -> None:
     or once vLLM's engine has gone and the API server has not followed (engine_exit). The SIGKILL
     ends this process too."""
     group = os.getpgid(0)
-    signal_group(group, GRACE_S, lambda: child.poll() is None, no_point_waiting=engine_gone_for(group))
+    signal_group(group, GRACE_S, lambda: child.poll() is None, no_point_waiting=engine_gone_for())
     time.sleep(1.0)  # vLLM's engine processes outlive the API server by a moment
     os.killpg(group, signal.SIGKILL)
 

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from draftflow.process_group import live_members
 from draftflow.vllm import lifecycle
 from draftflow.vllm.engine_exit import engine_running
 from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port
@@ -44,7 +45,7 @@ def test_a_server_stopped_during_start_up_is_gone_in_seconds(
     server = ServerProcess(spec).start()
     try:
         deadline = time.monotonic() + 120
-        while not engine_running(server.pid):
+        while not engine_running(live_members(server.pid)):
             assert time.monotonic() < deadline, "vLLM's engine core never started"
             time.sleep(0.1)
         assert not _answers(spec.port)  # still starting
