@@ -3,10 +3,14 @@
     .venv/bin/python bench/cpu_cores.py                         # cores: SmolLM2, fp32, 2 repeats
     .venv/bin/python bench/cpu_cores.py --drafter EXPORT        # also the drafter's speed-up per setting
     .venv/bin/python bench/cpu_cores.py --compare engine-start  # the engine core spawned or forked
+    .venv/bin/python bench/cpu_cores.py --compare dtype         # float32 or bfloat16 compute
 
 ``--compare cores``: vLLM's CPU build keeps one core free of its OpenMP compute threads (for its
 front end) unless VLLM_CPU_NUM_OF_RESERVED_CPU says otherwise; on a 2-core host that is half the
 machine. The recipe field ``vllm.launch.cpu_reserved_cores`` sets it.
+``--compare dtype``: the dtype the server computes in, float32 (the CPU recipes' extraction and
+serving) or bfloat16 (what ``data.generation_dtype: bfloat16`` gives the server that writes the
+training text); batched throughput is what generation sees.
 ``--compare engine-start``: ``vllm.launch.cpu_engine_start`` (draftflow's vLLM plugin), the engine
 core spawned as vLLM does or forked from the API server; the start-up time is what it changes, and
 the decode figures check that it changes nothing else.
@@ -44,6 +48,10 @@ COMPARISONS = {
         "vLLM default (1 core kept free)": {"cpu_reserved_cores": None},
         "every core (cpu_reserved_cores: 0)": {"cpu_reserved_cores": 0},
     },
+    "dtype": {
+        "float32 (the CPU recipes')": {"dtype": "float32"},
+        "bfloat16": {"dtype": "bfloat16"},
+    },
     "engine-start": {
         "engine core spawned (vLLM's choice)": {"cpu_engine_start": "spawn"},
         "engine core forked (cpu_engine_start: fork)": {"cpu_engine_start": "fork"},
@@ -68,14 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def server_spec(args: argparse.Namespace, setting: dict, drafter: str | None = None) -> LaunchSpec:
-    fields = {**SHIPPED, **setting}
+    fields = {**SHIPPED, "dtype": args.dtype, **setting}
     name = "-".join(str(v) for v in setting.values())
     return LaunchSpec(
         python=str(default_home() / "vllm-venv" / "bin" / "python"),
         model=args.model,
         port=free_port(),
         device="cpu",
-        dtype=args.dtype,
         max_model_len=1024,
         **fields,
         # vLLM needs the draft length spelled out when the drafter comes in --speculative-config
@@ -121,9 +128,10 @@ def measure(args: argparse.Namespace, setting: dict, prompts: list[str], drafter
     try:
         server.wait_healthy(600)
         out = {"start": (1, time.perf_counter() - launched)}  # (starts, seconds)
-        step = max(1, len(prompts) // args.stream_prompts)  # spread over every category
-        stream = prompts[::step][: args.stream_prompts]
-        out["stream"] = asyncio.run(decode(server.spec.url, args.model, stream, 1, args.max_tokens))
+        if args.stream_prompts:
+            step = max(1, len(prompts) // args.stream_prompts)  # spread over every category
+            stream = prompts[::step][: args.stream_prompts]
+            out["stream"] = asyncio.run(decode(server.spec.url, args.model, stream, 1, args.max_tokens))
         if not drafter and args.batch_prompts:
             batch = prompts[: args.batch_prompts]
             out["batch"] = asyncio.run(
@@ -157,7 +165,8 @@ def main() -> None:
                     print(f"repeat {repeat} {name} {case} {kind}: {figure}", file=sys.stderr)
     rows = {key: pooled(key[2], value) for key, value in runs.items()}
     (base, other) = settings
-    print(f"\n{args.dtype}, {args.repeats} repeats per setting, pooled\n")
+    fixed = "" if args.compare == "dtype" else f"{args.dtype}, "
+    print(f"\n{fixed}{args.repeats} repeats per setting, pooled\n")
     print(f"| measurement | {base} | {other} | ratio |\n|---|---|---|---|")
     for case in dict(cases):
         a, b = rows[(base, case, "start")], rows[(other, case, "start")]

@@ -29,7 +29,7 @@ from draftflow.extraction.shards import (
 )
 from draftflow.plan import Plan
 from draftflow.recipe.fingerprint import fingerprint_inputs
-from draftflow.recipe.schema import DataSection, VLLMLaunchSection
+from draftflow.recipe.schema import DataSection, Recipe, VLLMLaunchSection
 from draftflow.store import PlannedShard, Store, reconcile
 from draftflow.store.fp8 import server_dtype
 from draftflow.vllm.client import VLLMClient
@@ -172,6 +172,12 @@ def needs_generation(data: DataSection) -> bool:
     return data.regenerate_responses or any(s.kind == "self_generated" for s in data.sources)
 
 
+def generation_dtype(recipe: Recipe) -> str:
+    """What the plain server that writes text computes in: ``data.generation_dtype``, else the
+    extraction server's dtype (bfloat16 for an FP8 store: FP8 is a storage format, not one vLLM runs in)."""
+    return recipe.data.generation_dtype or server_dtype(recipe.extraction.dtype)
+
+
 def prepare_data(
     plan: Plan,
     endpoints: Sequence[str] | None = None,
@@ -198,7 +204,7 @@ def prepare_data(
             model=plan.target_model,
             api_key=api_key,
             launch=launch,
-            dtype=plan.recipe.extraction.dtype,
+            dtype=generation_dtype(plan.recipe),
             log_dir=log_dir,
         ) as handle:
             run_coroutine(_prepare(plan, store, handle.endpoints, api_key))

@@ -46,7 +46,10 @@ def _local_identity(path_str: str) -> dict | None:
 
 
 def fingerprint_inputs(recipe: Recipe, layer_ids: list[int]) -> dict:
-    data = recipe.data.model_dump(exclude={"regenerate_concurrency"})
+    # generation_dtype only when set: unset, generation computes in the extraction dtype's
+    # server dtype (below), and data folders prepared before the field existed keep their name.
+    unset = {"generation_dtype"} if recipe.data.generation_dtype is None else set()
+    data = recipe.data.model_dump(exclude={"regenerate_concurrency", *unset})
     for source, raw in zip(data["sources"], recipe.data.sources):
         if raw.path:
             source["content"] = _local_identity(raw.path)

@@ -1,6 +1,7 @@
 """bench/cpu_cores.py compares the two settings it names and nothing else: only the every-core
-server gets the reservation of 0, only the forked-engine server the fork, both of a pair get the
-same model, dtype and flags, and ratios pool all repeats."""
+server gets the reservation of 0, only the forked-engine server the fork, only the bfloat16 server
+bfloat16; both of a pair get the same model and flags (and dtype, but for the dtype pair), and
+ratios pool all repeats."""
 
 from __future__ import annotations
 
@@ -48,6 +49,21 @@ def test_the_engine_start_settings_differ_only_in_how_the_engine_core_starts(ben
     assert build_env(spawned)[RESERVED] == build_env(forked)[RESERVED] == "0"  # as the CPU recipes
     strip = lambda cmd: [a for a in cmd if not a.isdigit()]  # noqa: E731 (the ports differ)
     assert strip(build_command(spawned)) == strip(build_command(forked))
+
+
+def test_the_dtype_settings_differ_only_in_the_dtype(bench_module, tmp_path):
+    bench = bench_module("cpu_cores")
+    args = bench.parse_args(["--compare", "dtype", "--model", "/models/m", "--work-dir", str(tmp_path)])
+    fp32, bf16 = _pair(bench, args, "dtype")
+    first, second = build_command(fp32), build_command(bf16)
+    assert (
+        first[first.index("--dtype") + 1] == "float32" and second[second.index("--dtype") + 1] == "bfloat16"
+    )
+    strip = lambda cmd: [a for a in cmd if not a.isdigit() and "float" not in a]  # noqa: E731
+    assert strip(first) == strip(second) and build_env(fp32) == build_env(bf16)
+    # the other comparisons compute in --dtype
+    cores = bench.parse_args(["--dtype", "bfloat16", "--model", "/models/m", "--work-dir", str(tmp_path)])
+    assert {spec.dtype for spec in _pair(bench, cores, "cores")} == {"bfloat16"}
 
 
 def _export_config(folder, speculative_tokens: int) -> str:

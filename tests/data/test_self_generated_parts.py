@@ -18,9 +18,11 @@ from draftflow.data.self_generated import (
     steering,
     user_turn_prefix,
 )
+from draftflow.extraction.run import generation_dtype
 from draftflow.paths import DataLayout
 from draftflow.recipe import fingerprint
-from draftflow.recipe.load import recipe_from_dict
+from draftflow.recipe.fingerprint import fingerprint_inputs
+from draftflow.recipe.load import RecipeError, recipe_from_dict
 from draftflow.recipe.schema import SelfGeneratedSection, Topic
 
 QUALITY = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-dflash-cpu-quality.yaml"
@@ -69,6 +71,23 @@ def test_fingerprint_follows_generation_settings_and_seed_not_concurrency():
     assert changed(lambda d: generation(d).update(temperature=0.7)) != base
     assert changed(lambda d: generation(d).update(topics=["coding"])) != base
     assert changed(lambda d: generation(d).update(num_prompts=10)) != base
+    assert changed(lambda d: d["data"].update(generation_dtype="float16")) != base
+
+
+def test_generation_dtype_defaults_to_the_extraction_servers_and_unset_keeps_old_fingerprints():
+    data = yaml.safe_load(QUALITY.read_text())
+    data["data"].pop("generation_dtype", None)
+    unset = recipe_from_dict(data)
+    # Folders prepared before the field existed keep their fingerprint: unset leaves no trace.
+    assert "generation_dtype" not in fingerprint_inputs(unset, [2, 15, 27, 30])["data"]
+    assert generation_dtype(unset) == "float32"
+    data["extraction"]["dtype"] = "float8_e4m3"
+    assert generation_dtype(recipe_from_dict(data)) == "bfloat16"  # vLLM computes FP8 stores in bf16
+    data["data"]["generation_dtype"] = "float32"
+    assert generation_dtype(recipe_from_dict(data)) == "float32"
+    data["data"]["generation_dtype"] = "float8_e4m3"
+    with pytest.raises(RecipeError, match="data.generation_dtype"):
+        recipe_from_dict(data)
 
 
 def test_partial_file_keeps_finished_steps_and_cuts_a_torn_line(tmp_path):

@@ -24,6 +24,8 @@ from draftflow.data.self_generated import SelfGenerationError
 from draftflow.extraction.run import prepare_data
 from draftflow.plan import Plan
 from draftflow.progress import ProgressSnapshot, reporting
+from draftflow.vllm.launch import free_port
+from draftflow.vllm.server import is_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "0:self_generated"
@@ -190,3 +192,27 @@ def test_target_that_writes_nothing_usable_stops_with_a_clear_error(plain_server
     message = str(info.value)
     assert "32 tried, 32 dropped" in message and "truncated 32" in message, message
     assert not Path(plan.data.prepare_report).exists()
+
+
+def test_generation_server_launched_for_an_fp8_store_computes_in_a_dtype_vllm_serves(
+    vllm_servers, vllm_python, smollm2_dir, tmp_path
+):
+    """An FP8 store's server computes in bfloat16 (FP8 is how states are stored, not a dtype vLLM
+    runs in): the plain generation server the preparation launches must be told the same."""
+    vllm_servers.stop()  # the launch below takes the CPU host lock the shared server holds
+    port = free_port()
+    recipe = yaml.safe_load(
+        Path(write_recipe(tmp_path, smollm2_dir, f"http://127.0.0.1:{port}", num_prompts=3)).read_text()
+    )
+    recipe["data"]["eval_samples"] = 1
+    recipe["extraction"]["dtype"] = "float8_e4m3"
+    recipe["vllm"]["launch"] = {"python": vllm_python, "device": "cpu", "max_model_len": 1024}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    plan = Plan.load(str(tmp_path / "recipe.yaml"))
+    logs = tmp_path / "logs"
+    assert prepare_data(plan, launch=plan.recipe.vllm.launch, log_dir=str(logs))
+    report, conversations = prepared(plan)
+    assert report["self_generated"][LABEL]["kept"] == len(conversations) >= 1
+    (log,) = logs.glob("vllm-*.log")
+    assert "'dtype': 'bfloat16'" in log.read_text()
+    assert not is_healthy(f"http://127.0.0.1:{port}")  # stopped before prepare_data returned
