@@ -118,8 +118,9 @@ class DataSection(Section):
     regenerate_concurrency: int = Field(8, ge=1)
     generation_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
         None,
-        description="dtype of the plain server that writes prompts and replies (default: the extraction "
-        "server's). Labels still come from the extraction server; bfloat16 writes ~1.5x faster on AVX-512.",
+        description="dtype of the plain server launched to write prompts and replies (default: the "
+        "extraction server's; a running server is used as it is). Labels still come from the "
+        "extraction server; bfloat16 writes ~1.5x faster on AVX-512.",
     )
 
 
