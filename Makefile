@@ -30,8 +30,8 @@ bench: bootstrap
 	.venv/bin/python bench/train.py
 	.venv/bin/python bench/peer_train.py
 
-# Does the drafter pay? The quality recipe end to end (about 45 min here), then τ per category and
-# decode speed with and without the drafter in vLLM (3 alternating rounds). ABLATION=1 runs the demo
-# recipe instead, and the same budget on chitchat/chatterbot data beside it.
+# Does the drafter pay? The quality recipe end to end (33 min on an idle 2-core host; 45 at most),
+# then τ per category and decode speed with and without the drafter in vLLM (3 rounds). ABLATION=1
+# runs the demo recipe instead, and the same budget on chitchat/chatterbot data beside it.
 bench-quality: bootstrap
 	.venv/bin/python bench/quality.py --speed-rounds 3 $(if $(ABLATION),--recipe recipes/smollm2-135m-dflash-cpu-demo.yaml --ablation)
