@@ -20,7 +20,8 @@ from pydantic.fields import FieldInfo
 from draftflow.recipe.prefect_section import PrefectSection
 from draftflow.recipe.section import Section
 
-Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3", "float8_e5m2"]
+ComputeDtype = Literal["bfloat16", "float16", "float32"]  # what a vLLM server computes in
+Dtype = Literal[ComputeDtype, "float8_e4m3", "float8_e5m2"]  # what a store may hold
 
 
 class TargetSection(Section):
@@ -116,7 +117,7 @@ class DataSection(Section):
     )
     regenerate_max_tokens: int = Field(256, ge=1)
     regenerate_concurrency: int = Field(8, ge=1)
-    generation_dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+    generation_dtype: ComputeDtype | None = Field(
         None,
         description="dtype of the plain server launched to write prompts and replies (default: the "
         "extraction server's; a running server is used as it is). Labels still come from the "
