@@ -1,6 +1,6 @@
 """GPU benchmark: flex-attention check, then bf16 training steps at Qwen3-8B sizes.
 
-    PYTHONUNBUFFERED=1 python bench/gpu.py --json gpu.json        # the CUDA run (~6 min on one H200)
+    PYTHONUNBUFFERED=1 python bench/gpu.py --json gpu.json        # the CUDA run (4.5 min on one H200)
     python bench/gpu.py --smoke --json smoke.json                   # the same code on CPU, tiny sizes
     python bench/gpu.py --points 'dflash-64k-*' --budget-s 200      # a subset (fnmatch on point names)
 
@@ -296,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         configure_compile()
         if args.cap_gib:
             total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, args.cap_gib * 2**30 / total), torch.cuda.current_device()
+            )
             print(f"GPU memory capped at {args.cap_gib:g} GiB of {total / 2**30:.1f}", flush=True)
     result = {
         "torch": torch.__version__,
