@@ -18,7 +18,8 @@ vLLM, and no package registry.
    random hidden states packed as documents of ``--doc-len`` tokens: DFlash (5 layers, block
    16) at packs 16k / 64k x 512 / 1,536 / 3,072 anchors, the 64k points also with activation
    checkpointing per layer (``-ckpt``); Eagle3 (1 layer, the recipe's 3 TTT steps) at 16k /
-   64k. Loss ``--loss``, default ``target_logits`` (soft CE to a frozen target head's
+   64k; last, the shipped qwen3-8b-dflash recipe's own step (4k pack, 3,072 anchors, block 8,
+   draft vocab 8,192, token loss: ``dflash-4k-a3072-b8-v8192-tokens``). Loss ``--loss``, default ``target_logits`` (soft CE to a frozen target head's
    distribution: the reference trainer's KL objective). Per point: one warm-up step
    (compilation included, reported apart), then timed steps between synchronizations;
    tokens/s counts packed tokens; peak = ``torch.cuda.max_memory_allocated`` (and reserved)
@@ -81,6 +82,8 @@ class Point:
     ttt_steps: int = 0  # Eagle3 only
     checkpoint: bool = False  # activation checkpointing per decoder layer (DFlash only)
     loss: str | None = None  # None: --loss
+    block: int | None = None  # None: the sizes' block
+    draft_vocab: int | None = None  # None: the sizes' draft vocabulary
 
     @property
     def name(self) -> str:
@@ -88,13 +91,30 @@ class Point:
         if self.kind == "eagle3":
             return f"eagle3-{size}-ttt{self.ttt_steps}"
         name = f"dflash-{size}-a{self.anchors}" + ("-ckpt" if self.checkpoint else "")
+        if self.block:
+            name += f"-b{self.block}-v{self.draft_vocab}"
         return name + (f"-{self.loss}" if self.loss else "")
+
+    def sizes(self, sizes: Sizes) -> Sizes:
+        return replace(
+            sizes, block=self.block or sizes.block, draft_vocab=self.draft_vocab or sizes.draft_vocab
+        )
+
+
+def recipe_point(sizes: Sizes) -> Point:
+    """The shipped qwen3-8b-dflash recipe's step: one pack of its pack_length (4,096, one
+    document), its 3,072 anchors, block 8, draft vocabulary 8,192, cross-entropy to the data
+    tokens, no checkpointing. At smoke sizes the same proportions."""
+    vocab = max(16, sizes.draft_vocab * 8192 // 32_000)
+    return Point(
+        "dflash", sizes.doc_len, max(sizes.anchors), loss="tokens", block=sizes.block // 2, draft_vocab=vocab
+    )
 
 
 def all_points(sizes: Sizes) -> list[Point]:
     """Priority order: the long pack first, each anchor count followed by its checkpointed run
     (same shapes: no new compilation), the most anchors (the published 3,072) first, that one
-    also with the token loss; then Eagle3; then the short pack."""
+    also with the token loss; then Eagle3; then the short pack; last the shipped recipe's step."""
     long, short = max(sizes.packs), min(sizes.packs)
     desc = sorted(sizes.anchors, reverse=True)
     points = []
@@ -106,7 +126,7 @@ def all_points(sizes: Sizes) -> list[Point]:
             points.append(Point("dflash", long, a, checkpoint=True, loss="tokens"))
     points += [Point("eagle3", p, ttt_steps=sizes.ttt_steps) for p in sorted(sizes.packs)]
     points += [Point("dflash", short, a) for a in sorted(sizes.anchors)]
-    return points
+    return points + [recipe_point(sizes)]
 
 
 QUICK = ("dflash-64k-a3072", "dflash-64k-a3072-ckpt", "eagle3-16k-*", "dflash-16k-a512")
@@ -129,6 +149,7 @@ def run_point(
     min_seconds: float,
 ) -> dict:
     torch.manual_seed(0)
+    sizes = point.sizes(sizes)
     vocab = draft_vocab(sizes)
     with torch.device(device):  # parameters initialised on the device (seconds saved per point)
         model = build(point.kind, sizes, vocab)

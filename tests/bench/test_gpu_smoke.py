@@ -96,6 +96,9 @@ def test_smoke_run_checks_flex_and_trains_every_point_with_only_the_models_impor
     assert {p["kind"] for p in result["points"]} == {"dflash", "eagle3"}
     assert any(p["checkpoint"] for p in result["points"])
     assert {p["loss"] for p in result["points"]} == {"target_logits", "tokens"}
+    shipped = [p for p in result["points"] if p["block"]]  # the qwen3-8b-dflash recipe's step
+    assert len(shipped) == 1 and shipped[0]["block"] < result["sizes"]["block"], shipped
+    assert shipped[0]["draft_vocab"] < result["sizes"]["draft_vocab"] and shipped[0]["loss"] == "tokens"
     for point in result["points"]:
         assert point["status"] == "ok", point
         assert point["tokens_per_s"] > 0 and math.isfinite(point["last_loss"]), point
