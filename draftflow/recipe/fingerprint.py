@@ -19,10 +19,6 @@ from draftflow.recipe.schema import Recipe
 DATA_FORMAT_VERSION = 1
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
-# Recorded by whichever transformers release saved a folder (config.json,
-# generation_config.json); the same weights converted by 5.24 and 5.25 differ only there, and
-# a re-bootstrap must still find the data extracted before it.
-_WRITER_KEYS = frozenset({"transformers_version"})
 
 
 def _file_digest(path: Path) -> str:
@@ -31,24 +27,6 @@ def _file_digest(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _json_digest(path: Path) -> str:
-    """Digest of a json file's content, without the keys that name the release that wrote it."""
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return _file_digest(path)
-    blob = json.dumps(_without_writer_keys(content), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _without_writer_keys(value):
-    if isinstance(value, dict):
-        return {k: _without_writer_keys(v) for k, v in value.items() if k not in _WRITER_KEYS}
-    if isinstance(value, list):
-        return [_without_writer_keys(v) for v in value]
-    return value
 
 
 def _local_identity(path_str: str) -> dict | None:
@@ -60,10 +38,7 @@ def _local_identity(path_str: str) -> dict | None:
         return None
     out: dict[str, str | int] = {}
     for child in sorted(path.iterdir()):
-        small_json = child.suffix == ".json" and child.stat().st_size < 1 << 20
-        if small_json:
-            out[child.name] = _json_digest(child)
-        elif child.name in _TOKENIZER_FILES:
+        if child.name in _TOKENIZER_FILES or child.suffix == ".json" and child.stat().st_size < 1 << 20:
             out[child.name] = _file_digest(child)
         elif child.is_file():
             out[child.name] = child.stat().st_size
