@@ -19,8 +19,9 @@ vLLM, and no package registry.
    16) at packs 16k / 64k x 512 / 1,536 / 3,072 anchors, the 64k points also with activation
    checkpointing per layer (``-ckpt``); Eagle3 (1 layer, the recipe's 3 TTT steps) at 16k /
    64k; last, the shipped qwen3-8b-dflash recipe's own step (4k pack, 3,072 anchors, block 8,
-   draft vocab 8,192, token loss: ``dflash-4k-a3072-b8-v8192-tokens``). Loss ``--loss``, default ``target_logits`` (soft CE to a frozen target head's
-   distribution: the reference trainer's KL objective). Per point: one warm-up step
+   draft vocab 8,192, token loss: ``dflash-4k-a3072-b8-v8192-tokens``). Loss ``--loss``,
+   default ``target_logits`` (soft CE to a frozen target head's distribution: the reference
+   trainer's KL objective). Per point: one warm-up step
    (compilation included, reported apart), then timed steps between synchronizations;
    tokens/s counts packed tokens; peak = ``torch.cuda.max_memory_allocated`` (and reserved)
    since the point started, weights and optimizer state included. OOM prints ``OOM``, goes on.
