@@ -73,6 +73,7 @@ from gpu_models import (  # noqa: E402
 
 H100_USABLE_GIB = 79.0  # what an 80 GB H100 leaves to PyTorch
 LR, GRAD_CLIP = 1e-4, 1.0  # the Qwen3-8B recipe's lr, the schema's clipping
+RECIPE_BLOCK, RECIPE_DRAFT_VOCAB = 8, 8192  # recipes/qwen3-8b-dflash.yaml's drafter
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,9 @@ def recipe_point(sizes: Sizes) -> Point:
     """The shipped qwen3-8b-dflash recipe's step: one pack of its pack_length (4,096, one
     document), its 3,072 anchors, block 8, draft vocabulary 8,192, cross-entropy to the data
     tokens, no checkpointing. At smoke sizes the same proportions."""
-    vocab = max(16, sizes.draft_vocab * 8192 // 32_000)
-    return Point(
-        "dflash", sizes.doc_len, max(sizes.anchors), loss="tokens", block=sizes.block // 2, draft_vocab=vocab
-    )
+    block = sizes.block * RECIPE_BLOCK // QWEN3_8B.block
+    vocab = max(16, sizes.draft_vocab * RECIPE_DRAFT_VOCAB // QWEN3_8B.draft_vocab)
+    return Point("dflash", sizes.doc_len, max(sizes.anchors), loss="tokens", block=block, draft_vocab=vocab)
 
 
 def all_points(sizes: Sizes) -> list[Point]:
