@@ -200,6 +200,9 @@ def run_draftflow(folder: Path) -> dict:
     torch.set_num_threads(meta["threads"])
     meta, model, batch, head, anchors = load_draftflow(folder)
     from draftflow.train.loop import adamw
+    from draftflow.train.runtime import reuse_freed_memory
+
+    reuse_freed_memory()  # what the trainer's CPU runtime sets up at start (init_runtime)
 
     # the trainer's optimizer (fused AdamW on CPU, same update as the reference's torch AdamW)
     opt = adamw(

@@ -68,8 +68,8 @@ POINTS = [
     ("dflash-1k-256", "dflash", 1024, 256, 0, 3),
     ("dflash-1k-512", "dflash", 1024, 512, 0, 3),
     ("eagle3-1k-ttt3", "eagle3", 1024, 0, 3, 3),
-    ("dflash-8k-512", "dflash", 8192, 512, 0, 1),
-    ("dflash-8k-1024", "dflash", 8192, 1024, 0, 1),
+    ("dflash-8k-512", "dflash", 8192, 512, 0, 2),
+    ("dflash-8k-1024", "dflash", 8192, 1024, 0, 2),
 ]
 
 # The published DFlash setting, 3,072 anchors, at 8k and 64k tokens (--extended; one repetition
