@@ -181,14 +181,12 @@ class _GroupedWindowAttention(torch.autograd.Function):
             # of the gradient: P = exp(scores - lse) and rowsum(dO · O) are the full softmax's.
             go, qc = grad_out[:, c.s : c.e].transpose(1, 2), q[:, c.s : c.e].transpose(1, 2)
             oc, lc = out[:, c.s : c.e].transpose(1, 2), lse[:, :, c.s : c.e]
-            parts = _backward_parts(q.shape[0], q.shape[2], c.e - c.s)
-            gq_c, dq_written = gq[:, c.s : c.e], False
             keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
+            dq = None
             if keys is not None:
-                dk, dv = _flash_backward_parts(
-                    go, qc, keys, values, oc, lc, mask, scale, parts, gq_c, dq_written
+                dq, dk, dv = _flash_backward(
+                    go, qc, keys, values, oc, lc, 0.0, False, attn_mask=mask, scale=scale
                 )
-                dq_written = True
                 # dk/dv rows follow the masked keys' order: [k0, c0) ; [c1, k1) ; extra keys
                 w0, w1 = c.c0 - c.k0, c.k1 - c.c1
                 gck[:, c.k0 : c.c0] += dk[:, :, :w0].transpose(1, 2)
@@ -199,69 +197,14 @@ class _GroupedWindowAttention(torch.autograd.Function):
                     gek[:, c.g0 * group_k : c.g1 * group_k] = dk[:, :, w0 + w1 :].transpose(1, 2)
                     gev[:, c.g0 * group_k : c.g1 * group_k] = dv[:, :, w0 + w1 :].transpose(1, 2)
             if c.split:
-                dk, dv = _flash_backward_parts(
-                    go, qc, *c.shared(ctx_k, ctx_v), oc, lc, None, scale, parts, gq_c, dq_written
+                dq_s, dk, dv = _flash_backward(
+                    go, qc, *c.shared(ctx_k, ctx_v), oc, lc, 0.0, False, scale=scale
                 )
                 gck[:, c.c0 : c.c1] += dk.transpose(1, 2)
                 gcv[:, c.c0 : c.c1] += dv.transpose(1, 2)
+                dq = dq_s if dq is None else dq.add_(dq_s)
+            gq[:, c.s : c.e] = dq.transpose(1, 2)
         return gq, gck, gcv, gek, gev, None, None, None, None, None, None, None
-
-
-def _backward_parts(bt: int, heads: int, queries: int) -> int:
-    """Into how many batch entries a chunk's queries are cut for the flash backward.
-
-    ATen's CPU flash backward runs one task per (batch entry, query head) and no finer: 9
-    heads on 2 threads keep one thread idle for a ninth of every call, and the measured
-    speed-up of 2 threads over 1 is 1.5x (8k tokens, 252 queries × 7.8k keys). Cut in two,
-    18 tasks split evenly: 1.87x. The forward splits over query blocks too and needs none of
-    this. Cuts only where they are free: one packed row (the cut queries and the shared keys
-    stay views) and a query count the parts divide."""
-    threads = torch.get_num_threads()
-    if bt != 1 or threads == 1:
-        return 1
-    for parts in range(1, threads + 1):
-        if (heads * parts) % threads == 0 and queries % parts == 0:
-            return parts
-    return 1
-
-
-def _flash_backward_parts(go, q, k, v, o, lse, mask, scale, parts, dq_out, accumulate):
-    """ATen's flash backward of one chunk with its queries cut into ``parts`` batch entries
-    (:func:`_backward_parts`). q, go, o [Bt, nh, n, hd], lse [Bt, nh, n], k/v [Bt, nkv, W, hd],
-    mask [Bt, 1, n, W] or None, Bt = 1 when cut. Writes (or with ``accumulate`` adds) dq into
-    ``dq_out`` [Bt, n, nh, hd]; returns dk, dv [Bt, nkv, W, hd], summed over the parts."""
-    if parts == 1:
-        dq, dk, dv = _flash_backward(go, q, k, v, o, lse, 0.0, False, attn_mask=mask, scale=scale)
-        target = dq_out
-    else:
-        _, nh, n, hd = q.shape
-        m = n // parts
-
-        def cut(x):  # [1, h, n, ...] → [parts, h, n / parts, ...], a view
-            return x.unflatten(2, (parts, m)).transpose(0, 2).squeeze(2)
-
-        def shared(x):  # keys every part sees: a stride-0 view
-            return x.expand(parts, *x.shape[1:])
-
-        dq, dk, dv = _flash_backward(
-            cut(go),
-            cut(q),
-            shared(k),
-            shared(v),
-            cut(o),
-            cut(lse),
-            0.0,
-            False,
-            attn_mask=None if mask is None else cut(mask),
-            scale=scale,
-        )
-        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-        target = dq_out.view(parts, m, nh, hd)
-    if accumulate:
-        target += dq.transpose(1, 2)
-    else:
-        target.copy_(dq.transpose(1, 2))
-    return dk, dv
 
 
 def grouped_window_attention(

@@ -318,48 +318,6 @@ def test_shared_range_split_equals_the_reference_with_gradient():
         torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
 
 
-def test_backward_cut_into_query_parts_equals_the_reference():
-    """One packed row with 9 heads on 2 threads: the flash backward runs each chunk's queries
-    as 2 batch entries (window_attention._backward_parts) and sums their key gradients. Same
-    values and gradients as the merged reference, split or not."""
-    from draftflow.models.window_attention import _backward_parts, grouped_window_attention
-
-    torch.manual_seed(11)
-    a, b, nh, nkv, hd, t = 30, 4, 9, 3, 16, 500
-    leaves = [
-        torch.randn(1, a * b, nh, hd, requires_grad=True),
-        *(torch.randn(1, t, nkv, hd, requires_grad=True) for _ in range(2)),
-        *(torch.randn(1, a * b, nkv, hd, requires_grad=True) for _ in range(2)),
-    ]
-    q, ck, cv, k, v = leaves
-    hi = torch.sort(torch.randint(100, t, (1, a)), dim=1).values.repeat_interleave(b, 1)
-    lo = torch.randint(0, 40, (1, a)).repeat_interleave(b, 1)
-    ref = dflash_attention_merged(
-        q.view(1, a, b, nh, hd), k.view(1, a, b, nkv, hd), v.view(1, a, b, nkv, hd), ck, cv,
-        lo[:, ::b], hi[:, ::b], 0.25,
-    ).reshape(1, a * b, nh, hd)  # fmt: skip
-    weights = torch.randn_like(ref)
-    g_ref = _grads(ref, weights, leaves)
-    threads = torch.get_num_threads()
-    try:
-        for n_threads, parts in ((2, 2), (4, 4), (1, 1)):
-            torch.set_num_threads(n_threads)
-            assert _backward_parts(1, nh, 5 * b) == parts
-            fast = grouped_window_attention(q, ck, cv, lo, hi, k, v, b, b, 0.25, 5 * b, 1)
-            torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
-            for g_fast, g in zip(_grads(fast, weights, leaves), g_ref):
-                torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
-    finally:
-        torch.set_num_threads(threads)
-    assert _backward_parts(2, nh, 20) == 1  # several rows: the parts would not be views
-    torch.set_num_threads(2)
-    try:
-        assert _backward_parts(1, 8, 20) == 1  # 8 heads already split evenly
-        assert _backward_parts(1, nh, 21) == 1  # 2 parts do not divide 21 queries
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_chunk_size_follows_the_mean_window():
     from draftflow.models.dflash.attention import chunk_queries
 
