@@ -17,11 +17,15 @@ each chunk's window slice would allocate, zero and add a full ``[T, kv heads, he
 gradient. Here only the inputs, the output and the log-sum-exp are kept; backward rebuilds each
 chunk's keys and adds its key gradient into one buffer. The kernels are ATen's own
 ``_scaled_dot_product_flash_attention_for_cpu`` (the fused path SDPA dispatches to on CPU) and
-its backward: same numerics as ``F.scaled_dot_product_attention``.
+its backward: same numerics as ``F.scaled_dot_product_attention``. The backward runs whole
+chunks side by side on worker threads (one intra-op thread each, :func:`_backward_workers`):
+the kernel alone splits a call over its 9 heads only.
 """
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -171,40 +175,124 @@ class _GroupedWindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse = ctx.saved_tensors
         group_q, group_k, scale, chunks = ctx.args
-        grad_out = grad_out.contiguous()
-        gq = torch.empty_like(q)
-        gck, gcv = torch.zeros_like(ctx_k), torch.zeros_like(ctx_v)
-        gek = torch.empty_like(ek) if ek is not None else None
-        gev = torch.empty_like(ev) if ev is not None else None
-        for c in chunks:
-            # Each part's backward with the merged output and log-sum-exp is that part's share
-            # of the gradient: P = exp(scores - lse) and rowsum(dO · O) are the full softmax's.
-            go, qc = grad_out[:, c.s : c.e].transpose(1, 2), q[:, c.s : c.e].transpose(1, 2)
-            oc, lc = out[:, c.s : c.e].transpose(1, 2), lse[:, :, c.s : c.e]
-            keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
-            dq = None
-            if keys is not None:
-                dq, dk, dv = _flash_backward(
-                    go, qc, keys, values, oc, lc, 0.0, False, attn_mask=mask, scale=scale
-                )
-                # dk/dv rows follow the masked keys' order: [k0, c0) ; [c1, k1) ; extra keys
-                w0, w1 = c.c0 - c.k0, c.k1 - c.c1
-                gck[:, c.k0 : c.c0] += dk[:, :, :w0].transpose(1, 2)
-                gcv[:, c.k0 : c.c0] += dv[:, :, :w0].transpose(1, 2)
-                gck[:, c.c1 : c.k1] += dk[:, :, w0 : w0 + w1].transpose(1, 2)
-                gcv[:, c.c1 : c.k1] += dv[:, :, w0 : w0 + w1].transpose(1, 2)
-                if gek is not None and group_k:
-                    gek[:, c.g0 * group_k : c.g1 * group_k] = dk[:, :, w0 + w1 :].transpose(1, 2)
-                    gev[:, c.g0 * group_k : c.g1 * group_k] = dv[:, :, w0 + w1 :].transpose(1, 2)
-            if c.split:
-                dq_s, dk, dv = _flash_backward(
-                    go, qc, *c.shared(ctx_k, ctx_v), oc, lc, 0.0, False, scale=scale
-                )
-                gck[:, c.c0 : c.c1] += dk.transpose(1, 2)
-                gcv[:, c.c0 : c.c1] += dv.transpose(1, 2)
-                dq = dq_s if dq is None else dq.add_(dq_s)
-            gq[:, c.s : c.e] = dq.transpose(1, 2)
-        return gq, gck, gcv, gek, gev, None, None, None, None, None, None, None
+        grads = _Grads(
+            q=torch.empty_like(q),
+            ctx_k=torch.zeros_like(ctx_k),
+            ctx_v=torch.zeros_like(ctx_v),
+            extra_k=torch.empty_like(ek) if ek is not None else None,
+            extra_v=torch.empty_like(ev) if ev is not None else None,
+        )
+        saved = (grad_out.contiguous(), q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse, group_q, group_k, scale)
+        shares = _shares(chunks, _backward_workers(len(chunks)))
+        if len(shares) == 1:
+            _chunks_backward(shares[0], saved, grads)
+        else:
+            _chunks_backward_in_threads(shares, saved, grads)
+        return grads.q, grads.ctx_k, grads.ctx_v, grads.extra_k, grads.extra_v, *(None,) * 7
+
+
+@dataclass
+class _Grads:
+    q: Tensor
+    ctx_k: Tensor
+    ctx_v: Tensor
+    extra_k: Tensor | None
+    extra_v: Tensor | None
+
+
+def _chunks_backward(chunks, saved, g: _Grads) -> None:
+    """Backward of ``chunks``: writes their query and extra-key rows of ``g``, adds their
+    context-key gradients into ``g.ctx_k`` / ``g.ctx_v``."""
+    grad_out, q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse, group_q, group_k, scale = saved
+    for c in chunks:
+        # Each part's backward with the merged output and log-sum-exp is that part's share
+        # of the gradient: P = exp(scores - lse) and rowsum(dO · O) are the full softmax's.
+        go, qc = grad_out[:, c.s : c.e].transpose(1, 2), q[:, c.s : c.e].transpose(1, 2)
+        oc, lc = out[:, c.s : c.e].transpose(1, 2), lse[:, :, c.s : c.e]
+        keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
+        dq = None
+        if keys is not None:
+            dq, dk, dv = _flash_backward(
+                go, qc, keys, values, oc, lc, 0.0, False, attn_mask=mask, scale=scale
+            )
+            # dk/dv rows follow the masked keys' order: [k0, c0) ; [c1, k1) ; extra keys
+            w0, w1 = c.c0 - c.k0, c.k1 - c.c1
+            g.ctx_k[:, c.k0 : c.c0] += dk[:, :, :w0].transpose(1, 2)
+            g.ctx_v[:, c.k0 : c.c0] += dv[:, :, :w0].transpose(1, 2)
+            g.ctx_k[:, c.c1 : c.k1] += dk[:, :, w0 : w0 + w1].transpose(1, 2)
+            g.ctx_v[:, c.c1 : c.k1] += dv[:, :, w0 : w0 + w1].transpose(1, 2)
+            if g.extra_k is not None and group_k:
+                g.extra_k[:, c.g0 * group_k : c.g1 * group_k] = dk[:, :, w0 + w1 :].transpose(1, 2)
+                g.extra_v[:, c.g0 * group_k : c.g1 * group_k] = dv[:, :, w0 + w1 :].transpose(1, 2)
+        if c.split:
+            dq_s, dk, dv = _flash_backward(go, qc, *c.shared(ctx_k, ctx_v), oc, lc, 0.0, False, scale=scale)
+            g.ctx_k[:, c.c0 : c.c1] += dk.transpose(1, 2)
+            g.ctx_v[:, c.c0 : c.c1] += dv.transpose(1, 2)
+            dq = dq_s if dq is None else dq.add_(dq_s)
+        g.q[:, c.s : c.e] = dq.transpose(1, 2)
+
+
+def _backward_workers(n_chunks: int) -> int:
+    """How many threads run the chunks' backward side by side, one intra-op thread each.
+
+    ATen's CPU flash backward splits one call over (batch entry, query head) only: 9 heads on
+    2 threads leave one thread idle for a ninth of every call, plus the kernel's own
+    serial parts, so 2 threads ran it only 1.5x faster than 1 (8k tokens × 1,024 anchors).
+    Whole chunks on separate threads keep every thread busy. Needs ATen's OpenMP backend,
+    where the intra-op thread count is per calling thread."""
+    threads = torch.get_num_threads()
+    if threads == 1 or n_chunks < 2 or "parallel backend: OpenMP" not in _parallel_info():
+        return 1
+    return min(threads, n_chunks)
+
+
+@functools.cache
+def _parallel_info() -> str:
+    return torch.__config__.parallel_info()
+
+
+def _shares(chunks: list[_Chunk], workers: int) -> list[list[_Chunk]]:
+    """Chunks dealt to ``workers`` by estimated cost (queries × keys scored), largest first to
+    the least loaded: deterministic, so each worker's gradient sums in a fixed order."""
+    loads, shares = [0] * workers, [[] for _ in range(workers)]
+    cost = {id(c): (c.e - c.s) * (c.k1 - c.k0 + (c.g1 - c.g0)) for c in chunks}
+    for c in sorted(chunks, key=lambda c: -cost[id(c)]):
+        w = loads.index(min(loads))
+        shares[w].append(c)
+        loads[w] += cost[id(c)]
+    return [sorted(s, key=lambda c: c.s) for s in shares if s]
+
+
+def _chunks_backward_in_threads(shares, saved, grads: _Grads) -> None:
+    """One thread per share with one intra-op thread each; every thread past the first adds
+    its context-key gradient into a buffer of its own, summed at the end (the query and
+    extra-key rows of different chunks are disjoint: written in place)."""
+    threads = torch.get_num_threads()
+    own = [grads] + [
+        _Grads(
+            grads.q,
+            torch.zeros_like(grads.ctx_k),
+            torch.zeros_like(grads.ctx_v),
+            grads.extra_k,
+            grads.extra_v,
+        )
+        for _ in shares[1:]
+    ]
+
+    def work(share, g):
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            _chunks_backward(share, saved, g)
+
+    try:
+        with ThreadPoolExecutor(len(shares)) as pool:
+            for done in [pool.submit(work, s, g) for s, g in zip(shares, own)]:
+                done.result()
+    finally:
+        torch.set_num_threads(threads)  # the process-wide default a new thread starts with
+    for g in own[1:]:
+        grads.ctx_k += g.ctx_k
+        grads.ctx_v += g.ctx_v
 
 
 def grouped_window_attention(

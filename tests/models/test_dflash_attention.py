@@ -318,6 +318,55 @@ def test_shared_range_split_equals_the_reference_with_gradient():
         torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
 
 
+def test_backward_on_worker_threads_equals_the_reference_and_is_deterministic():
+    """With more than one intra-op thread the chunks' backward runs on worker threads, one
+    intra-op thread each (window_attention._backward_workers), each adding into a key-gradient
+    buffer of its own. Same values and gradients as the merged reference, bit-identical from
+    run to run, and the caller's thread count is left as it was."""
+    from draftflow.models.window_attention import (
+        _backward_workers,
+        _chunks,
+        _shares,
+        grouped_window_attention,
+    )
+
+    torch.manual_seed(11)
+    a, b, nh, nkv, hd, t = 30, 4, 9, 3, 16, 500
+    leaves = [
+        torch.randn(1, a * b, nh, hd, requires_grad=True),
+        *(torch.randn(1, t, nkv, hd, requires_grad=True) for _ in range(2)),
+        *(torch.randn(1, a * b, nkv, hd, requires_grad=True) for _ in range(2)),
+    ]
+    q, ck, cv, k, v = leaves
+    hi = torch.sort(torch.randint(100, t, (1, a)), dim=1).values.repeat_interleave(b, 1)
+    lo = torch.randint(0, 40, (1, a)).repeat_interleave(b, 1)
+    ref = dflash_attention_merged(
+        q.view(1, a, b, nh, hd), k.view(1, a, b, nkv, hd), v.view(1, a, b, nkv, hd), ck, cv,
+        lo[:, ::b], hi[:, ::b], 0.25,
+    ).reshape(1, a * b, nh, hd)  # fmt: skip
+    weights = torch.randn_like(ref)
+    g_ref = _grads(ref, weights, leaves)
+    chunks = _chunks(lo, hi, t, b, 5 * b, 1)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (2, 3, 1):
+            torch.set_num_threads(n_threads)
+            assert _backward_workers(len(chunks)) == n_threads
+            shares = _shares(chunks, n_threads)
+            assert sorted(c.s for s in shares for c in s) == [c.s for c in chunks]  # each chunk once
+            runs = []
+            for _ in range(2):
+                fast = grouped_window_attention(q, ck, cv, lo, hi, k, v, b, b, 0.25, 5 * b, 1)
+                torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+                runs.append(_grads(fast, weights, leaves))
+                assert torch.get_num_threads() == n_threads
+            for g_fast, g_again, g in zip(*runs, g_ref):
+                torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
+                assert torch.equal(g_fast, g_again)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_chunk_size_follows_the_mean_window():
     from draftflow.models.dflash.attention import chunk_queries
 
