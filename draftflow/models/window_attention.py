@@ -267,12 +267,15 @@ def _parallel_info() -> str:
 def _shares(chunks: list[_Chunk], workers: int) -> list[list[_Chunk]]:
     """Chunks dealt to ``workers`` by estimated cost (queries × keys scored), largest first to
     the least loaded: deterministic, so each worker's gradient sums in a fixed order."""
+
+    def cost(c: _Chunk) -> int:
+        return (c.e - c.s) * (c.k1 - c.k0 + (c.g1 - c.g0))
+
     loads, shares = [0] * workers, [[] for _ in range(workers)]
-    cost = {id(c): (c.e - c.s) * (c.k1 - c.k0 + (c.g1 - c.g0)) for c in chunks}
-    for c in sorted(chunks, key=lambda c: -cost[id(c)]):
+    for c in sorted(chunks, key=cost, reverse=True):
         w = loads.index(min(loads))
         shares[w].append(c)
-        loads[w] += cost[id(c)]
+        loads[w] += cost(c)
     return [sorted(s, key=lambda c: c.s) for s in shares if s]
 
 
