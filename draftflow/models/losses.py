@@ -160,7 +160,7 @@ def head_soft_cross_entropy(
     target_probs: Tensor,
     index: Tensor,
     weights: Tensor,
-    chunk_rows: int = 256,
+    chunk_rows: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(weighted mean over rows of the soft CE of ``head(hidden)`` [N, V] to the rows
     ``target_probs[index]``, argmax of each row's logits [N]).
@@ -180,6 +180,8 @@ def head_soft_cross_entropy(
         return weighted_mean(per_item, weights), logits.argmax(-1)
     total = weights.sum()
     scale = weights / total if total > 0 else torch.zeros_like(weights)
+    if chunk_rows is None:
+        chunk_rows = head_chunk_rows(index.numel())
     loss, pred = _HeadSoftCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
@@ -189,6 +191,15 @@ def head_soft_cross_entropy(
         chunk_rows,
     )
     return loss, pred.view(index.shape)
+
+
+def head_chunk_rows(rows: int) -> int:
+    """Rows per chunk of the fused head (:class:`_HeadSoftCrossEntropy`): 512 from 1,024 rows
+    up, else 256. Measured (2 threads, SmolLM2's hidden size, draft vocabulary 8,192): 512-row
+    chunks ran the head 7-9% faster than 256-row ones at 1,792, 3,584 and 7,168 rows (a matmul
+    of more rows runs at a higher rate); at 448 rows they cost ~30 MB of peak memory, about as
+    much as the whole saving is worth there."""
+    return 512 if rows >= 1024 else 256
 
 
 def target_probs(

@@ -4,15 +4,17 @@ hand-written backward that accumulates into full-size gradients in place.
 Both drafters' CPU attention has the same shape: query i sees a contiguous range of shared
 context keys ``lo[i] <= j < hi[i]`` plus the few "extra" keys of its own group (DFlash: the B
 keys of its block, non-causal; Eagle3: the earlier TTT steps' keys at its own index). Queries
-are cut into chunks; a chunk scores the context window its queries span plus its groups' extra
-keys in fused kernel calls, so no ``[Q, T]`` tensor ever exists: the range of the window that
-all its queries see in one unmasked call over views of the context, the rest (the window's
-edges and the extra keys) in one call under a mask ``[chunk queries, edge keys + extra keys]``,
-merged by log-sum-exp (:class:`_Chunk`).
+are cut into chunks; a chunk scores the context window its queries span in fused kernel
+calls, so no ``[Q, T]`` tensor ever exists: the range of the window that all its queries see
+in one unmasked call over views of the context, the window's edges in one call under a mask
+``[chunk queries, edge keys]`` (:class:`_Chunk`). The extra keys are scored per group by
+batched matmuls over all groups at once (:func:`_group_attention`): in a chunk's kernel call
+each query would score every group's extra keys and mask out all but its own (at 8k tokens ×
+1,024 anchors, 36 blocks a chunk: 2.0M of 35.4M scored pairs, 35 in 36 wasted). The parts
+merge by log-sum-exp.
 
 Why an ``autograd.Function`` and not SDPA per chunk under autograd: autograd would keep every
-chunk's concatenated ``[window ; extra]`` keys and values alive until backward (at 8k tokens ×
-1,024 anchors about as much memory as the context itself per few chunks), and the backward of
+chunk's concatenated edge keys, values and mask alive until backward, and the backward of
 each chunk's window slice would allocate, zero and add a full ``[T, kv heads, head dim]``
 gradient. Here only the inputs, the output and the log-sum-exp are kept; backward rebuilds each
 chunk's keys and adds its key gradient into one buffer. The kernels are ATen's own
@@ -49,8 +51,8 @@ class _Chunk:
     it is not split off). It is scored by a kernel call of its own with no mask, over views of
     the context (no copy): with sorted anchors or causal prefixes that is almost the whole
     window at long contexts, and the unmasked kernel skips the mask add, the mask is never
-    built for it, and the keys are not concatenated. The rest ([k0, c0), [c1, k1) and the
-    groups' extra keys) is scored under a mask; the two results merge by log-sum-exp.
+    built for it, and the keys are not concatenated. The rest ([k0, c0) and [c1, k1)) is
+    scored under a mask; the results merge by log-sum-exp.
     """
 
     s: int
@@ -94,8 +96,9 @@ def _chunks(lo, hi, t, group_q, max_chunk_queries, min_shared):
 
 def _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c: _Chunk, group_q, group_k, dtype):
     """The masked part of chunk ``c``: keys/values [Bt, kv heads, n, hd] over the context
-    outside its shared range ([k0, c0) ; [c1, k1)) and its groups' extra keys, the float mask
-    [Bt, 1, queries, n] and whether each query [Bt, queries] sees any of them."""
+    outside its shared range ([k0, c0) ; [c1, k1)) and, when ``ek`` is given, its groups'
+    extra keys, the float mask [Bt, 1, queries, n] and whether each query [Bt, queries] sees
+    any of them."""
     dev = lo.device
     idx = torch.cat([torch.arange(c.k0, c.c0, device=dev), torch.arange(c.c1, c.k1, device=dev)])
     lo_c, hi_c = lo[:, c.s : c.e, None], hi[:, c.s : c.e, None]
@@ -121,6 +124,62 @@ def _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c: _Chunk, group_q, group_k, dtyp
     )
     mask = torch.where(visible, zero, ninf)[:, None]
     return keys.transpose(1, 2), values.transpose(1, 2), mask, visible.any(-1)
+
+
+def _to_groups(x: Tensor, group: int, kv_heads: int) -> Tensor:
+    """[Bt, G·group, heads, hd] → [Bt·G·kv heads, (heads / kv heads)·group, hd]: each group's
+    rows per key head, the query heads that share it side by side (SDPA's GQA layout: query
+    head h reads key head h // (heads / kv heads))."""
+    bt, n, heads, hd = x.shape
+    x = x.view(bt, n // group, group, kv_heads, heads // kv_heads, hd)
+    return x.permute(0, 1, 3, 4, 2, 5).reshape(-1, heads // kv_heads * group, hd)
+
+
+def _from_groups(x: Tensor, bt: int, group: int, heads: int) -> Tensor:
+    """The inverse of :func:`_to_groups` for ``heads`` query heads: [Bt, G·group, heads, hd]."""
+    m, rows, hd = x.shape
+    rep = rows // group
+    x = x.view(bt, m // bt // (heads // rep), heads // rep, rep, group, hd)
+    return x.permute(0, 1, 4, 2, 3, 5).reshape(bt, -1, heads, hd)
+
+
+def _lse_to_groups(lse: Tensor, group: int, kv_heads: int) -> Tensor:
+    """[Bt, heads, G·group] → [Bt·G·kv heads, (heads / kv heads)·group], rows as in :func:`_to_groups`."""
+    bt, heads, n = lse.shape
+    x = lse.view(bt, kv_heads, heads // kv_heads, n // group, group)
+    return x.permute(0, 3, 1, 2, 4).reshape(-1, heads // kv_heads * group)
+
+
+def _group_attention(q, ek, ev, group_q, group_k, scale):
+    """Each group's queries over its own extra keys, dense (a few keys each: batched matmuls,
+    not a flash call in which a chunk's other groups' keys would be scored and masked out):
+    out [Bt, N, nh, hd], lse [Bt, nh, N]."""
+    bt, n, nh, hd = q.shape
+    nkv = ek.shape[2]
+    s = torch.bmm(_to_groups(q, group_q, nkv), _to_groups(ek, group_k, nkv).transpose(1, 2)).mul_(scale)
+    lse = torch.logsumexp(s, -1)
+    out = torch.bmm(s.sub_(lse[..., None]).exp_(), _to_groups(ev, group_k, nkv))
+    rep = nh // nkv
+    lse = lse.view(bt, n // group_q, nkv, rep, group_q).permute(0, 2, 3, 1, 4).reshape(bt, nh, n)
+    return _from_groups(out, bt, group_q, nh), lse
+
+
+def _group_attention_backward(grad_out, q, ek, ev, out, lse, group_q, group_k, scale):
+    """(dq, d extra keys, d extra values) of :func:`_group_attention`'s part of an attention
+    whose merged output and log-sum-exp are ``out`` / ``lse``: P = exp(scores - lse) and
+    rowsum(dO · O) are the full softmax's, so this is the extra keys' share of the gradient."""
+    bt, n, nh, hd = q.shape
+    nkv = ek.shape[2]
+    qg, kg, vg = _to_groups(q, group_q, nkv), _to_groups(ek, group_k, nkv), _to_groups(ev, group_k, nkv)
+    go = _to_groups(grad_out, group_q, nkv)
+    rowsum = _lse_to_groups((grad_out * out).sum(-1).transpose(1, 2), group_q, nkv)
+    scores = torch.bmm(qg, kg.transpose(1, 2)).mul_(scale)
+    p = scores.sub_(_lse_to_groups(lse, group_q, nkv)[..., None]).exp_()
+    dv = torch.bmm(p.transpose(1, 2), go)
+    ds = torch.bmm(go, vg.transpose(1, 2)).sub_(rowsum[..., None]).mul_(p).mul_(scale)
+    dq = _from_groups(torch.bmm(ds, kg), bt, group_q, nh)
+    dk = torch.bmm(ds.transpose(1, 2), qg)
+    return dq, _from_groups(dk, bt, group_k, nkv), _from_groups(dv, bt, group_k, nkv)
 
 
 def _sdpa_chunks(q, ctx_k, ctx_v, ek, ev, lo, hi, group_q, group_k, scale, max_chunk_queries):
@@ -150,10 +209,11 @@ class _GroupedWindowAttention(torch.autograd.Function):
         out = q.new_empty(bt, nq, nh, hd)
         lse = torch.empty(bt, nh, nq, dtype=torch.float32, device=q.device)
         chunks = _chunks(lo, hi, ctx_k.shape[1], group_q, max_chunk_queries, min_shared)
+        extra = _group_attention(q, ek, ev, group_q, group_k, scale) if group_k else None
         # inline: the kernel's forward splits over query blocks as well (2 threads ran it 1.9x
         # faster than 1), and chunks on worker threads measured no faster at 8k tokens and 2%
         # slower at 1k
-        _chunks_forward(chunks, (q, ctx_k, ctx_v, ek, ev, lo, hi, group_q, group_k, scale), out, lse)
+        _chunks_forward(chunks, (q, ctx_k, ctx_v, lo, hi, group_q, scale), extra, out, lse)
         ctx.save_for_backward(q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse)
         ctx.args = (group_q, group_k, scale, chunks)
         return out
@@ -162,44 +222,46 @@ class _GroupedWindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse = ctx.saved_tensors
         group_q, group_k, scale, chunks = ctx.args
-        grads = _Grads(
-            q=torch.empty_like(q),
-            ctx_k=torch.zeros_like(ctx_k),
-            ctx_v=torch.zeros_like(ctx_v),
-            extra_k=torch.empty_like(ek) if ek is not None else None,
-            extra_v=torch.empty_like(ev) if ev is not None else None,
-        )
-        saved = (grad_out.contiguous(), q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse, group_q, group_k, scale)
+        grad_out = grad_out.contiguous()
+        if group_k:
+            dq, dek, dev = _group_attention_backward(grad_out, q, ek, ev, out, lse, group_q, group_k, scale)
+        else:
+            dq, dek, dev = torch.zeros_like(q), None, None
+        grads = _Grads(dq, torch.zeros_like(ctx_k), torch.zeros_like(ctx_v))
+        saved = (grad_out, q, ctx_k, ctx_v, lo, hi, out, lse, group_q, scale)
         shares = _shares(chunks, _backward_workers(len(chunks)))
         # every worker past the first adds its context-key gradient into a buffer of its own,
-        # summed at the end; query and extra-key rows of different chunks are disjoint
+        # summed at the end; query rows of different chunks are disjoint
         own = [grads] + [
-            _Grads(grads.q, torch.zeros_like(ctx_k), torch.zeros_like(ctx_v), grads.extra_k, grads.extra_v)
-            for _ in shares[1:]
+            _Grads(grads.q, torch.zeros_like(ctx_k), torch.zeros_like(ctx_v)) for _ in shares[1:]
         ]
         _on_workers(shares, lambda i, share: _chunks_backward(share, saved, own[i]))
         for g in own[1:]:
             grads.ctx_k += g.ctx_k
             grads.ctx_v += g.ctx_v
-        return grads.q, grads.ctx_k, grads.ctx_v, grads.extra_k, grads.extra_v, *(None,) * 7
+        return grads.q, grads.ctx_k, grads.ctx_v, dek, dev, *(None,) * 7
 
 
-def _chunks_forward(chunks, inputs, out: Tensor, lse: Tensor) -> None:
-    """Forward of ``chunks``: writes their rows of ``out`` [Bt, nq, nh, hd] and ``lse``."""
-    q, ctx_k, ctx_v, ek, ev, lo, hi, group_q, group_k, scale = inputs
+def _chunks_forward(chunks, inputs, extra, out: Tensor, lse: Tensor) -> None:
+    """Forward of ``chunks``: writes their rows of ``out`` [Bt, nq, nh, hd] and ``lse``, each
+    chunk's context parts merged with its rows of ``extra`` (the groups' own keys' output
+    and log-sum-exp, or None)."""
+    q, ctx_k, ctx_v, lo, hi, group_q, scale = inputs
     for c in chunks:
         qc = q[:, c.s : c.e].transpose(1, 2)
-        keys, values, mask, seen = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
-        if keys is not None:
-            o, lse_c = _flash(qc, keys, values, attn_mask=mask, scale=scale)
+        parts = []
         if c.split:
-            o_s, lse_s = _flash(qc, *c.shared(ctx_k, ctx_v), scale=scale)
-            if keys is not None:
-                # a query that sees none of the masked keys: the kernel reports lse 0, not -inf
-                lse_c.masked_fill_(~seen[:, None], float("-inf"))
-                o, lse_c = _merge(o_s, lse_s, o, lse_c)
-            else:
-                o, lse_c = o_s, lse_s
+            parts.append(_flash(qc, *c.shared(ctx_k, ctx_v), scale=scale)[:2])
+        keys, values, mask, seen = _masked_keys(ctx_k, ctx_v, None, None, lo, hi, c, group_q, 0, q.dtype)
+        if keys is not None:
+            o, lse_c = _flash(qc, keys, values, attn_mask=mask, scale=scale)[:2]
+            # a query that sees none of the masked keys: the kernel reports lse 0, not -inf
+            parts.append((o, lse_c.masked_fill_(~seen[:, None], float("-inf"))))
+        if extra is not None:
+            parts.append((extra[0][:, c.s : c.e].transpose(1, 2), extra[1][:, :, c.s : c.e]))
+        o, lse_c = parts[0]
+        for o_p, lse_p in parts[1:]:
+            o, lse_c = _merge(o, lse_c, o_p, lse_p)
         out[:, c.s : c.e] = o.transpose(1, 2)
         lse[:, :, c.s : c.e] = lse_c
 
@@ -209,40 +271,35 @@ class _Grads:
     q: Tensor
     ctx_k: Tensor
     ctx_v: Tensor
-    extra_k: Tensor | None
-    extra_v: Tensor | None
 
 
 def _chunks_backward(chunks, saved, g: _Grads) -> None:
-    """Backward of ``chunks``: writes their query and extra-key rows of ``g``, adds their
-    context-key gradients into ``g.ctx_k`` / ``g.ctx_v``."""
-    grad_out, q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse, group_q, group_k, scale = saved
+    """Backward of ``chunks``' context parts: adds into their query rows of ``g.q`` and into
+    the context-key gradients ``g.ctx_k`` / ``g.ctx_v``."""
+    grad_out, q, ctx_k, ctx_v, lo, hi, out, lse, group_q, scale = saved
     for c in chunks:
         # Each part's backward with the merged output and log-sum-exp is that part's share
         # of the gradient: P = exp(scores - lse) and rowsum(dO · O) are the full softmax's.
         go, qc = grad_out[:, c.s : c.e].transpose(1, 2), q[:, c.s : c.e].transpose(1, 2)
         oc, lc = out[:, c.s : c.e].transpose(1, 2), lse[:, :, c.s : c.e]
-        keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, ek, ev, lo, hi, c, group_q, group_k, q.dtype)
-        dq = None
+        dq = g.q[:, c.s : c.e].transpose(1, 2)
+        keys, values, mask, _ = _masked_keys(ctx_k, ctx_v, None, None, lo, hi, c, group_q, 0, q.dtype)
         if keys is not None:
-            dq, dk, dv = _flash_backward(
+            dq_m, dk, dv = _flash_backward(
                 go, qc, keys, values, oc, lc, 0.0, False, attn_mask=mask, scale=scale
             )
-            # dk/dv rows follow the masked keys' order: [k0, c0) ; [c1, k1) ; extra keys
-            w0, w1 = c.c0 - c.k0, c.k1 - c.c1
+            # dk/dv rows follow the masked keys' order: [k0, c0) ; [c1, k1)
+            w0 = c.c0 - c.k0
             g.ctx_k[:, c.k0 : c.c0] += dk[:, :, :w0].transpose(1, 2)
             g.ctx_v[:, c.k0 : c.c0] += dv[:, :, :w0].transpose(1, 2)
-            g.ctx_k[:, c.c1 : c.k1] += dk[:, :, w0 : w0 + w1].transpose(1, 2)
-            g.ctx_v[:, c.c1 : c.k1] += dv[:, :, w0 : w0 + w1].transpose(1, 2)
-            if g.extra_k is not None and group_k:
-                g.extra_k[:, c.g0 * group_k : c.g1 * group_k] = dk[:, :, w0 + w1 :].transpose(1, 2)
-                g.extra_v[:, c.g0 * group_k : c.g1 * group_k] = dv[:, :, w0 + w1 :].transpose(1, 2)
+            g.ctx_k[:, c.c1 : c.k1] += dk[:, :, w0:].transpose(1, 2)
+            g.ctx_v[:, c.c1 : c.k1] += dv[:, :, w0:].transpose(1, 2)
+            dq += dq_m
         if c.split:
             dq_s, dk, dv = _flash_backward(go, qc, *c.shared(ctx_k, ctx_v), oc, lc, 0.0, False, scale=scale)
             g.ctx_k[:, c.c0 : c.c1] += dk.transpose(1, 2)
             g.ctx_v[:, c.c0 : c.c1] += dv.transpose(1, 2)
-            dq = dq_s if dq is None else dq.add_(dq_s)
-        g.q[:, c.s : c.e] = dq.transpose(1, 2)
+            dq += dq_s
 
 
 def _backward_workers(n_chunks: int) -> int:
@@ -269,7 +326,7 @@ def _shares(chunks: list[_Chunk], workers: int) -> list[list[_Chunk]]:
     the least loaded: deterministic, so each worker's gradient sums in a fixed order."""
 
     def cost(c: _Chunk) -> int:
-        return (c.e - c.s) * (c.k1 - c.k0 + (c.g1 - c.g0))
+        return (c.e - c.s) * (c.k1 - c.k0)
 
     loads, shares = [0] * workers, [[] for _ in range(workers)]
     for c in sorted(chunks, key=cost, reverse=True):

@@ -110,18 +110,17 @@ def dflash_attention_chunked(
     scale: float,
     max_chunk_queries: int | None = None,
 ) -> Tensor:
-    """The CPU path: one fused flash-attention call per chunk of anchors over [context window ;
-    the chunk's blocks] (:func:`~draftflow.models.window_attention.grouped_window_attention`,
-    groups = blocks): the context range all its blocks see unmasked, the rest under a mask
-    [c·B, edges + c·B] (its blocks see their context range and, block-diagonally, themselves),
-    merged by log-sum-exp. The total cost is linear in the number of anchors for a fixed chunk
-    size and no [A·B, T + A·B] tensor exists. Every query sees at least its own block.
+    """The CPU path: fused flash-attention calls per chunk of anchors over its context window
+    (:func:`~draftflow.models.window_attention.grouped_window_attention`, groups = blocks):
+    the context range all its blocks see unmasked, the window's edges under a mask [c·B,
+    edges], and each block's queries over its own B keys by batched matmuls, all merged by
+    log-sum-exp. The total cost is linear in the number of anchors for a fixed chunk size
+    and no [A·B, T + A·B] tensor exists. Every query sees at least its own block.
 
     Chunk size (``max_chunk_queries``, default :func:`chunk_queries`): the kernel scores every
-    key it is given, and a chunk's keys beyond its shared context range (the span of its
-    anchors, and its own n·B block keys, block-diagonal) are mostly masked out, so that
-    overhead grows with the chunk; larger chunks run the kernel at a higher rate and pay
-    fewer calls. The shared range itself is scored unmasked (``window_attention._Chunk``).
+    key it is given, and a chunk's edge keys (the span of its anchors) are partly masked
+    out, so that overhead grows with the chunk; larger chunks run the kernel at a higher rate
+    and pay fewer calls. The shared range itself is scored unmasked (``window_attention._Chunk``).
     """
     bt, a, bq, nh, hd = q.shape
     if max_chunk_queries is None:

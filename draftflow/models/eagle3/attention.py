@@ -76,12 +76,12 @@ def ttt_attention_chunked(
     scale: float,
     max_chunk_queries: int = 128,
 ) -> Tensor:
-    """The CPU path: one fused flash-attention call per chunk of queries over [causal window ;
-    the chunk's own previous-step keys] (:func:`~draftflow.models.window_attention.
-    grouped_window_attention`, one group per index holding its k earlier-step keys). A chunk
-    of n queries scores its window of step-0 keys (from the smallest document start to its
-    last index) plus n·k diagonal keys, mask [n, W + n·k]: no [T, T] tensor, and one softmax
-    over both key sets: no log-sum-exp merge. Every query sees itself."""
+    """The CPU path: fused flash-attention calls per chunk of queries over its causal window
+    of step-0 keys (:func:`~draftflow.models.window_attention.grouped_window_attention`, one
+    group per index holding its k earlier-step keys): a chunk of n queries scores the window
+    from the smallest document start to its last index (no [T, T] tensor), each index's
+    queries its own k earlier-step keys by batched matmuls, merged by log-sum-exp. Every
+    query sees itself."""
     bt, t, nh, hd = q.shape
     nkv, steps = k0.shape[2], len(prev_k)
     kd = torch.stack(prev_k, 2).reshape(bt, t * steps, nkv, hd) if steps else None  # index-major
