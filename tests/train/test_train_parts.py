@@ -243,7 +243,7 @@ def test_a_cpu_trainer_reuses_freed_memory_instead_of_page_faulting_it_again():
     step. Once the CPU runtime has started, a step that allocates three 64 MiB tensors
     touches no new page after a few steps."""
     probe = """
-import resource, sys, torch
+import resource, statistics, sys, torch
 if sys.argv[1] == "runtime":
     from draftflow.train.runtime import init_runtime
     init_runtime("cpu")
@@ -252,15 +252,19 @@ def step():
     return float(torch.softmax(x * 2.0, -1)[0, 0])
 for _ in range(8):
     step()
-r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+per_step = []
+for _ in range(7):
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+    per_step.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print(statistics.median(per_step))
 """
 
-    def faults(mode: str) -> int:
+    def faults(mode: str) -> float:
         cmd = [sys.executable, "-c", probe, mode]
-        return int(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout)
+        return float(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout)
 
-    assert faults("default") > 3 * 3 * 16_000  # every 64 MiB tensor faults in again
+    # the median step: the kept heap may still grow once in a while (a freed hole that does not
+    # fit the next request), which is not what this is about
+    assert faults("default") > 3 * 16_000  # every 64 MiB tensor faults in again
     assert faults("runtime") < 1_000
