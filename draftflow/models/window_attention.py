@@ -19,9 +19,9 @@ each chunk's window slice would allocate, zero and add a full ``[T, kv heads, he
 gradient. Here only the inputs, the output and the log-sum-exp are kept; backward rebuilds each
 chunk's keys and adds its key gradient into one buffer. The kernels are ATen's own
 ``_scaled_dot_product_flash_attention_for_cpu`` (the fused path SDPA dispatches to on CPU) and
-its backward: same numerics as ``F.scaled_dot_product_attention``. The backward runs whole
-chunks side by side on worker threads (one intra-op thread each, :func:`_backward_workers`):
-the kernel alone splits a call over its 9 heads only.
+its backward: same numerics as ``F.scaled_dot_product_attention``. The backward (and the
+forward of large calls) runs whole chunks side by side on worker threads (one intra-op thread
+each, :func:`_workers`): the kernel alone splits a backward call over its 9 heads only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 # call, without mask, from this many keys up: below it the second call's fixed cost outweighs
 # the saving (see _Chunk).
 MIN_SHARED_KEYS = 256
+# From this many scored query-key pairs (all chunks) the forward runs on worker threads too.
+FORWARD_WORKERS_MIN_PAIRS = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -210,10 +212,10 @@ class _GroupedWindowAttention(torch.autograd.Function):
         lse = torch.empty(bt, nh, nq, dtype=torch.float32, device=q.device)
         chunks = _chunks(lo, hi, ctx_k.shape[1], group_q, max_chunk_queries, min_shared)
         extra = _group_attention(q, ek, ev, group_q, group_k, scale) if group_k else None
-        # inline: the kernel's forward splits over query blocks as well (2 threads ran it 1.9x
-        # faster than 1), and chunks on worker threads measured no faster at 8k tokens and 2%
-        # slower at 1k
-        _chunks_forward(chunks, (q, ctx_k, ctx_v, lo, hi, group_q, scale), extra, out, lse)
+        inputs = (q, ctx_k, ctx_v, lo, hi, group_q, scale)
+        shares = _shares(chunks, _forward_workers(chunks))
+        # chunks write disjoint rows of out and lse
+        _on_workers(shares, lambda i, share: _chunks_forward(share, inputs, extra, out, lse))
         ctx.save_for_backward(q, ctx_k, ctx_v, ek, ev, lo, hi, out, lse)
         ctx.args = (group_q, group_k, scale, chunks)
         return out
@@ -229,7 +231,7 @@ class _GroupedWindowAttention(torch.autograd.Function):
             dq, dek, dev = torch.zeros_like(q), None, None
         grads = _Grads(dq, torch.zeros_like(ctx_k), torch.zeros_like(ctx_v))
         saved = (grad_out, q, ctx_k, ctx_v, lo, hi, out, lse, group_q, scale)
-        shares = _shares(chunks, _backward_workers(len(chunks)))
+        shares = _shares(chunks, _workers(len(chunks)))
         # every worker past the first adds its context-key gradient into a buffer of its own,
         # summed at the end; query rows of different chunks are disjoint
         own = [grads] + [
@@ -302,8 +304,20 @@ def _chunks_backward(chunks, saved, g: _Grads) -> None:
             dq += dq_s
 
 
-def _backward_workers(n_chunks: int) -> int:
-    """How many threads run whole chunks' backward side by side, one intra-op thread each.
+def _forward_workers(chunks: list[_Chunk]) -> int:
+    """Worker threads for the forward: as for the backward from ``FORWARD_WORKERS_MIN_PAIRS``
+    scored pairs up, else 1 (inline: the kernel splits a forward call over query blocks as
+    well as heads). Paired in one process (2 threads): at 8k tokens × 1,024 anchors (33M
+    pairs) the forward took 0.539 s on workers against 0.571 s inline; at 1k × 512 (2.1M)
+    the same; at 1k × 64 (0.3M) 14 ms against 10 ms (starting the threads costs more than
+    the split gains)."""
+    if sum(_cost(c) for c in chunks) < FORWARD_WORKERS_MIN_PAIRS:
+        return 1
+    return _workers(len(chunks))
+
+
+def _workers(n_chunks: int) -> int:
+    """How many threads run whole chunks side by side, one intra-op thread each.
 
     ATen's CPU flash backward splits one call over (batch entry, query head) only: 9 heads on
     2 threads leave one thread idle for a ninth of every call, plus the kernel's own serial
@@ -321,18 +335,20 @@ def _parallel_info() -> str:
     return torch.__config__.parallel_info()
 
 
+def _cost(c: _Chunk) -> int:
+    """Query-key pairs chunk ``c`` scores in its kernel calls."""
+    return (c.e - c.s) * (c.k1 - c.k0)
+
+
 def _shares(chunks: list[_Chunk], workers: int) -> list[list[_Chunk]]:
     """Chunks dealt to ``workers`` by estimated cost (queries × keys scored), largest first to
     the least loaded: deterministic, so each worker's gradient sums in a fixed order."""
 
-    def cost(c: _Chunk) -> int:
-        return (c.e - c.s) * (c.k1 - c.k0)
-
     loads, shares = [0] * workers, [[] for _ in range(workers)]
-    for c in sorted(chunks, key=cost, reverse=True):
+    for c in sorted(chunks, key=_cost, reverse=True):
         w = loads.index(min(loads))
         shares[w].append(c)
-        loads[w] += cost(c)
+        loads[w] += _cost(c)
     return [sorted(s, key=lambda c: c.s) for s in shares if s]
 
 

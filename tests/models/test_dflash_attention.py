@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -318,17 +319,26 @@ def test_shared_range_split_equals_the_reference_with_gradient():
         torch.testing.assert_close(g_fast, g, rtol=1e-4, atol=1e-5)
 
 
-def test_backward_on_worker_threads_equals_the_reference_and_is_deterministic():
+@pytest.mark.parametrize("forward_on_workers", [False, True])
+def test_backward_on_worker_threads_equals_the_reference_and_is_deterministic(
+    monkeypatch, forward_on_workers
+):
     """With more than one intra-op thread the chunks' backward runs on worker threads, one
-    intra-op thread each (window_attention._backward_workers), each adding into a key-gradient
-    buffer of its own. Same values and gradients as the merged reference, bit-identical from
-    run to run, and the caller's thread count is left as it was."""
+    intra-op thread each (window_attention._workers), each adding into a key-gradient
+    buffer of its own; large calls' forward too (window_attention._forward_workers). Same
+    values and gradients as the merged reference, bit-identical from run to run, and the
+    caller's thread count is left as it was."""
+    from draftflow.models import window_attention
     from draftflow.models.window_attention import (
-        _backward_workers,
         _chunks,
+        _forward_workers,
         _shares,
+        _workers,
         grouped_window_attention,
     )
+
+    if forward_on_workers:
+        monkeypatch.setattr(window_attention, "FORWARD_WORKERS_MIN_PAIRS", 0)
 
     torch.manual_seed(11)
     a, b, nh, nkv, hd, t = 30, 4, 9, 3, 16, 500
@@ -351,7 +361,8 @@ def test_backward_on_worker_threads_equals_the_reference_and_is_deterministic():
     try:
         for n_threads in (2, 3, 1):
             torch.set_num_threads(n_threads)
-            assert _backward_workers(len(chunks)) == n_threads
+            assert _workers(len(chunks)) == n_threads
+            assert _forward_workers(chunks) == (n_threads if forward_on_workers else 1)
             shares = _shares(chunks, n_threads)
             assert sorted(c.s for s in shares for c in s) == [c.s for c in chunks]  # each chunk once
             runs = []
