@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from draftflow.models.common import dense_attention_lse
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -157,13 +159,15 @@ def _group_attention(q, ek, ev, group_q, group_k, scale):
     not a flash call in which a chunk's other groups' keys would be scored and masked out):
     out [Bt, N, nh, hd], lse [Bt, nh, N]."""
     bt, n, nh, hd = q.shape
-    nkv = ek.shape[2]
-    s = torch.bmm(_to_groups(q, group_q, nkv), _to_groups(ek, group_k, nkv).transpose(1, 2)).mul_(scale)
-    lse = torch.logsumexp(s, -1)
-    out = torch.bmm(s.sub_(lse[..., None]).exp_(), _to_groups(ev, group_k, nkv))
-    rep = nh // nkv
-    lse = lse.view(bt, n // group_q, nkv, rep, group_q).permute(0, 2, 3, 1, 4).reshape(bt, nh, n)
-    return _from_groups(out, bt, group_q, nh), lse
+    groups, nkv = n // group_q, ek.shape[2]
+    out, lse = dense_attention_lse(
+        q.reshape(bt * groups, group_q, nh, hd),
+        ek.reshape(bt * groups, group_k, nkv, hd),
+        ev.reshape(bt * groups, group_k, nkv, hd),
+        torch.ones(1, group_q, group_k, dtype=torch.bool, device=q.device),
+        scale,
+    )
+    return out.reshape(bt, n, nh, hd), lse.reshape(bt, n, nh).transpose(1, 2)
 
 
 def _group_attention_backward(grad_out, q, ek, ev, out, lse, group_q, group_k, scale):
@@ -343,7 +347,6 @@ def _cost(c: _Chunk) -> int:
 def _shares(chunks: list[_Chunk], workers: int) -> list[list[_Chunk]]:
     """Chunks dealt to ``workers`` by estimated cost (queries × keys scored), largest first to
     the least loaded: deterministic, so each worker's gradient sums in a fixed order."""
-
     loads, shares = [0] * workers, [[] for _ in range(workers)]
     for c in sorted(chunks, key=_cost, reverse=True):
         w = loads.index(min(loads))
