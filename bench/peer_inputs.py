@@ -160,6 +160,7 @@ def load_draftflow(folder: Path):
         last_hidden=x["last_hidden"],
     )
     head = TargetHead(x["final_norm"], x["target_head"], RMS_EPS)
+    head.use_rows_of(model.lm_head.weight)  # as the trainer does (drafter.build): one copy of the frozen rows
     anchors = x["anchors"][None]
     return (
         meta,

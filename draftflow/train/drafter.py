@@ -52,6 +52,19 @@ class DrafterSetup:
     mask_token_id: int | None
     algorithm: DrafterAlgorithm
 
+    def to(self, device: torch.device) -> nn.Module:
+        """The model on ``device`` with what its loss reads there too (the target head for the
+        ``target_logits`` loss); head rows it shares with the model stay shared."""
+        head = self.algorithm.settings.target_head if self.algorithm.settings else None
+        lm_head = getattr(self.model, "lm_head", None)
+        shared = head is not None and lm_head is not None and head.shares_rows_with(lm_head.weight)
+        model = self.model.to(device)
+        if head is not None:
+            if shared:
+                head.head = model.lm_head.weight.detach()
+            head.to(device)
+        return model
+
 
 def layer_selection(plan: Plan) -> LayerSelection:
     ids = list(plan.layer_ids)
@@ -96,6 +109,9 @@ def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = Tr
     drafter = algorithm_class(plan.recipe.drafter.kind).build(
         plan.recipe, plan.target_model, num_context_layers=len(layers.context), vocab=vocab, target_head=head
     )
+    lm_head = getattr(drafter.model, "lm_head", None)
+    if head is not None and lm_head is not None:
+        head.use_rows_of(lm_head.weight)
 
     def loss_fn(model, batch, generator):
         return drafter.loss(batch, generator)  # ``model`` is drafter.model, moved to the device in place

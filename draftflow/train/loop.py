@@ -92,7 +92,7 @@ def train(
     """`training` is the recipe's TrainingSection. `monitor` (a :class:`draftflow.train.monitor.Monitor`)
     validates and writes TensorBoard; `train_items` (default: every source item) excludes its split."""
     torch.manual_seed(training.seed)
-    model = setup.model.to(runtime.device)
+    model = setup.to(runtime.device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     items = source.items() if train_items is None else train_items
     plan = StepPlan.build(
