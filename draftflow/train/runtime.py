@@ -37,8 +37,14 @@ class Runtime:
         return contextlib.nullcontext()
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the ranks, in place. NCCL reduces CUDA tensors only (a CPU
+        one fails: "No backend type associated with device type cpu"), so a tensor elsewhere
+        is reduced on the collective device and copied back."""
         if self.distributed:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            moved = value.to(self._collective_device)
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM)
+            if moved is not value:
+                value.copy_(moved)
         return value
 
     def broadcast_int(self, value: int) -> int:
