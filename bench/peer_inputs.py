@@ -200,7 +200,7 @@ def run_draftflow(folder: Path) -> dict:
     meta = json.loads((folder / "point.json").read_text())
     torch.set_num_threads(meta["threads"])
     meta, model, batch, head, anchors = load_draftflow(folder)
-    from draftflow.train.loop import adamw
+    from draftflow.train.optim import adamw
     from draftflow.train.runtime import reuse_freed_memory
 
     reuse_freed_memory()  # what the trainer's CPU runtime sets up at start (init_runtime)

@@ -13,6 +13,10 @@ a 1-layer drafter (DFlash block 8, or Eagle3 with 3 TTT steps), draft vocab 8,19
 logits (final norm + head rows of the draft vocab), AdamW, fp32, 2 threads. Each trainer
 runs in its own process (so peak RSS is its own): draftflow here, the reference through
 ``peer_driver.py`` under the peer venv's python, which drives speculators' own model classes.
+Each process imports what its step needs: draftflow's side its model code and optimizer
+(``draftflow.train.optim``; ``train.loop`` would add its data pipeline's pyarrow / fsspec /
+pydantic, ~56 MB of RSS), the reference driver speculators' model classes, which import
+transformers, datasets and pyarrow themselves (~265 MB over torch).
 
 Printed per point: tokens/s (packed tokens / mean wall time of the timed steps, after one
 warm-up step), peak RSS, and ratios: speed = reference / draftflow mean step time over the
@@ -36,7 +40,7 @@ What differs between the two steps (same result, different work):
   (the prompt's indices give their step-0 keys only); its draft head is fused into the
   soft cross-entropy (chunked, no full logits kept).
 - AdamW: both torch's, same hyperparameters and update; draftflow's trainer (and its side
-  here) uses the fused CPU kernel (``draftflow.train.loop.adamw``), the reference driver the
+  here) uses the fused CPU kernel (``draftflow.train.optim.adamw``), the reference driver the
   default implementation.
 """
 

@@ -26,6 +26,7 @@ from draftflow.train import checkpointing
 from draftflow.train.batches import Source, StepLoader, StepPlan
 from draftflow.train.drafter import DrafterSetup
 from draftflow.train.metrics import MetricsLog
+from draftflow.train.optim import adamw
 from draftflow.train.runtime import Runtime
 from draftflow.train.schedule import lr_factor
 
@@ -60,14 +61,6 @@ class _Stop:
         reports -15 instead of its clean 143. Ignored, not caught: Python puts the handlers it
         installed back to the default at interpreter shutdown, where that signal tends to land."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN if stopping else self._previous)
-
-
-def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW, fused (one kernel per parameter instead of a dozen elementwise ops) wherever
-    torch has the fused kernel: floating-point parameters on CPU or CUDA. The same update; on
-    CPU at SmolLM2 sizes (4.5M trainable) 2.4 ms per step instead of 10 (1 thread)."""
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 NOISE_SEED_OFFSET = 7919

@@ -141,7 +141,7 @@ def test_step_plan_counts_each_epoch_on_its_own():
 
 
 def test_trainer_adamw_is_fused_on_cpu_and_updates_like_torchs_default():
-    from draftflow.train.loop import adamw
+    from draftflow.train.optim import adamw
 
     g = torch.Generator().manual_seed(0)
     init = [torch.randn(5, 7, generator=g), torch.randn(7, generator=g)]
