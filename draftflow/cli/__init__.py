@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 
 from draftflow.process_env import STORAGE_OPTIONS_ENV, storage_options_from_env
 from draftflow.recipe.load import RecipeError
@@ -60,8 +62,21 @@ def storage_options(args: argparse.Namespace) -> dict:
     return value
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C: ``finally`` blocks and exit handlers run, so what the command
+    started (an ephemeral Prefect server, vLLM servers, torchrun) is stopped, not orphaned."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise SystemExit(128 + signum)
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     try:
         return int(args.func(args) or 0)
     except RecipeError as err:

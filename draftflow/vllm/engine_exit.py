@@ -1,6 +1,7 @@
 """When stopping a vLLM server need not wait any longer: its engine has exited.
 
-Standard library only: the watchdog, run by the vLLM virtualenv's Python, imports it too.
+The watchdog, run by the vLLM virtualenv's Python, imports it too: standard library and
+:mod:`draftflow.process_group` only.
 
 The grace between SIGTERM and SIGKILL is for vLLM's engine (core and workers) to shut down
 cleanly. Once the engine is gone the API server has little left to do, and one stopped during
@@ -13,23 +14,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from draftflow.process_group import command_line
 
 #: vLLM titles its engine processes ``VLLM::EngineCore``, ``VLLM::Worker``...
-ENGINE_TITLE = b"VLLM::"
+ENGINE_TITLE = "VLLM::"
 #: How long the API server may take to follow its engine out.
 AFTER_ENGINE_S = 3.0
 
 
 def engine_running(pids: list[int]) -> bool:
     """Whether any of `pids` (a group's live members) is one of vLLM's engine processes."""
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(ENGINE_TITLE):
-                return True
-        except OSError:
-            continue
-    return False
+    return any(" ".join(command_line(pid)).startswith(ENGINE_TITLE) for pid in pids)
 
 
 def engine_gone_for(seconds: float = AFTER_ENGINE_S) -> Callable[[list[int]], bool]:

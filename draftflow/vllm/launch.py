@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV
-from draftflow.process_group import signal_group
+from draftflow.process_group import child_group_alive, group_listens_on, signal_group
 from draftflow.recipe.load import expand
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm import lifecycle
@@ -316,7 +316,7 @@ class ServerProcess:
 
     def answers_as_launched(self) -> bool:
         """The process group we launched listens on the port and serves the launched model."""
-        if self.proc is None or not lifecycle.group_listens_on(self.proc.pid, self.spec.port):
+        if self.proc is None or not group_listens_on(self.proc.pid, self.spec.port):
             return False
         headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
         try:
@@ -340,9 +340,11 @@ class ServerProcess:
             self._release_host_lock()
             self._close_pipe()
             return
-        pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
-        if self._group_alive(pgid):
-            signal_group(pgid, grace_s, lambda: self._group_alive(pgid), no_point_waiting=engine_gone_for())
+        proc = self.proc  # start_new_session=True: the leader's pid is the group id
+        if child_group_alive(proc):
+            signal_group(
+                proc.pid, grace_s, lambda: child_group_alive(proc), no_point_waiting=engine_gone_for()
+            )
         self._close_log()
         self._release_host_lock()
         self._close_pipe()
@@ -353,16 +355,6 @@ class ServerProcess:
         if self._launcher_pipe is not None:
             os.close(self._launcher_pipe)
             self._launcher_pipe = None
-
-    def _group_alive(self, pgid: int) -> bool:
-        self.proc.poll()  # reap our own child, or its zombie would keep the group alive
-        try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
 
     def _close_log(self) -> None:
         if self._log is not None:

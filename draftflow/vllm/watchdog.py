@@ -14,7 +14,6 @@ a ``kill -9`` of the watchdog itself takes vLLM down too.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
@@ -22,10 +21,9 @@ import subprocess
 import sys
 import time
 
-from draftflow.process_group import signal_group
+from draftflow.process_group import set_parent_death_signal, signal_group
 from draftflow.vllm.engine_exit import engine_gone_for
 
-PR_SET_PDEATHSIG = 1
 GRACE_S = 20.0
 
 
@@ -34,8 +32,7 @@ def _in_child() -> None:
     across exec) and SIGKILL when this watchdog dies."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_parent_death_signal(signal.SIGKILL)
 
 
 def stop_group(child: subprocess.Popen) -> None:

@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from draftflow.process_group import live_members
-from draftflow.vllm import lifecycle
+from draftflow.process_group import group_alive, live_members
 from draftflow.vllm.engine_exit import engine_running
 from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port
 
@@ -54,6 +53,6 @@ def test_a_server_stopped_during_start_up_is_gone_in_seconds(
         took = time.monotonic() - started
     finally:
         server.stop()
-    assert not lifecycle._group_alive(server.pid)
+    assert not group_alive(server.pid)
     print(f"stopped during start-up in {took:.1f} s (grace 20 s)")
     assert took < 10, f"{took:.1f} s to stop a server that was starting"
