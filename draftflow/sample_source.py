@@ -7,6 +7,9 @@ Modes (the recipe's ``extraction.mode``):
   (run ``draftflow extract`` first), instead of failing hours into training.
 * ``online`` — hidden states are generated through vLLM when a batch is loaded, and never
   stored: the client deletes each staging file right after reading it.
+
+In every mode, samples that cannot be had (missing offline, failed extraction online and in
+hybrid) are trained without while they stay within ``training.max_missing_fraction``.
 * ``hybrid`` — samples in the store are loaded; a batch that needs missing ones generates
   their whole shards with :func:`draftflow.extraction.extract_shard` and commits them
   (``mode = "online"`` in the manifest), so later epochs and later runs load them. Two ranks
@@ -20,6 +23,7 @@ read with one range read each, checked against the manifest's checksums (``verif
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,6 +39,7 @@ from draftflow.extraction import (
     extract_shard,
     make_client,
     plan_shard,
+    sweep_staging,
     train_set,
 )
 from draftflow.plan import Plan
@@ -85,7 +90,7 @@ class SampleSource:
             if max_missing_fraction is None
             else max_missing_fraction
         )
-        self.skipped: dict[str, str] = {}  # offline: samples left out (training.max_missing_fraction) -> why
+        self.skipped: dict[str, str] = {}  # samples left out (training.max_missing_fraction) -> why
         self.mode = mode or plan.recipe.extraction.mode
         if self.mode not in ("offline", "online", "hybrid"):
             raise ValueError(f"mode must be offline, online or hybrid, not {self.mode!r}")
@@ -103,6 +108,8 @@ class SampleSource:
         self._vllm_version: str | None = None
         if self.mode != "online":
             self._index_store()
+        if self.mode != "offline":  # this run's requests write staging files: killed ones left some
+            sweep_staging(plan)
 
     # -- what exists ------------------------------------------------------------------
 
@@ -141,14 +148,44 @@ class SampleSource:
         unknown = [sid for sid in ids if sid not in self._train.positions]
         if unknown:
             raise KeyError(f"{len(unknown)} sample ids are not in the train split, e.g. {unknown[:3]}")
+        ids = [sid for sid in ids if sid not in self.skipped]
         if self.mode == "online":
-            got = {s.sample_id: s for s in _ok(run_coroutine(self._extract(ids)))}
+            results = run_coroutine(self._extract(ids))
+            self._skip_failed({s.sample_id: s.reason for s in results if isinstance(s, FailedSample)})
+            got = {s.sample_id: s for s in results if isinstance(s, Sample)}
         else:
             got = self._generate_missing(ids) if self.mode == "hybrid" else {}
             for sid in ids:
-                if sid not in got:
+                if sid not in got and sid not in self.skipped:
                     got[sid] = self._load_stored(sid, ids, got)
-        return [got[sid] for sid in ids]
+        out = [got[sid] for sid in ids if sid in got]
+        if ids and not out:  # nothing to train this pack on
+            raise SampleUnavailable(
+                f"every sample of a batch failed extraction, e.g. {ids[0]}: {self.skipped.get(ids[0])}"
+            )
+        return out
+
+    def _skip_failed(self, failures: dict[str, str]) -> None:
+        """Online and hybrid: train without samples whose extraction failed, as offline does,
+        while they stay within training.max_missing_fraction of the train split (each process
+        counts its own); past it, the run stops naming the sample and the setting."""
+        if not failures:
+            return
+        self.skipped.update((sid, f"extraction failed: {reason}") for sid, reason in failures.items())
+        allowed = self.max_missing_fraction * len(self._train.expected())
+        sid, reason = next(iter(failures.items()))
+        if len(self.skipped) > allowed:
+            raise SampleUnavailable(
+                f"sample {sid} failed extraction: {reason}; {len(self.skipped)} train samples are now "
+                f"unavailable, more than training.max_missing_fraction ({self.max_missing_fraction}) of "
+                f"{len(self._train.expected())} allows: raise it to train without them"
+            )
+        print(
+            f"draftflow.train: training without sample {sid} ({reason}); {len(self.skipped)} unavailable "
+            f"so far, training.max_missing_fraction allows {int(allowed)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _load_stored(self, sid: str, ids: list[str], got: dict[str, Sample]) -> Sample:
         """One stored sample; a shard found corrupt here (a same-size bit flip that the size-only
@@ -222,18 +259,9 @@ class SampleSource:
                 got.update((s.sample_id, s) for s in result.samples)
                 failed.update(result.failures)
                 del self._pending[result.shard_id]
-        # A failed sample's shard is committed (the others load next time); this batch cannot be.
-        for sid in ids:
-            if sid in failed:
-                raise SampleUnavailable(f"sample {sid} failed extraction: {failed[sid]}")
+        # A failed sample's shard is committed (the others load next time); the sample is skipped.
+        self._skip_failed({sid: failed[sid] for sid in ids if sid in failed})
         return got
-
-
-def _ok(samples: list[Sample | FailedSample]) -> list[Sample]:
-    for s in samples:
-        if isinstance(s, FailedSample):
-            raise SampleUnavailable(f"sample {s.sample_id} failed extraction: {s.reason}")
-    return samples  # type: ignore[return-value]
 
 
 def _unavailable(rec: Reconciliation) -> dict[str, str]:

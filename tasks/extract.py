@@ -25,13 +25,13 @@ from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 from draftflow.data.dataset import read_report
 from draftflow.extraction import expected_samples, extract_shard_by_id, plan_extraction
 from draftflow.extraction.run import prepare_data as prepare_data_core
-from draftflow.extraction.shards import staging_folders
+from draftflow.extraction.shards import staging_folders, sweep_staging
 from draftflow.paths import shard_id
 from draftflow.progress import LineSink, Progress, reporting
 from draftflow.store import Store
 from draftflow.store.fp8 import server_dtype
 from draftflow.store.shard import FORMAT_VERSION
-from draftflow.vllm.server import ServerHandle, ensure_running
+from draftflow.vllm.server import MAX_RESTARTS, ServerHandle, ensure_running, server_went_away
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
 from tasks.progress import prefect_sinks
@@ -83,6 +83,7 @@ def check_or_start_vllm(
         launch=infra.launch if infra.launch_from_block else r.vllm.launch,
         dtype=server_dtype(r.extraction.dtype),
         staging_dirs=staging_folders(plan),
+        min_model_len=r.data.max_length + 1,
     )
     for note in handle.unverified:
         get_run_logger().warning(note)
@@ -109,7 +110,8 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
 
 @task(name="plan-shards", cache_policy=NO_CACHE, persist_result=False)  # reads live manifest state
 def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict:
-    """Every shard id of the train split, those the manifest lacks (missing, failed, broken), and why.
+    """Every shard id of the train split, those the manifest lacks (missing, failed, broken), and why;
+    stale staging files are swept on the way.
 
     The manifest is the truth: a shard it lacks runs even when the cache says it completed
     (the store may have been wiped or pointed elsewhere); only shards it has may come from
@@ -118,6 +120,9 @@ def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> d
     """
     infra = infra_mod.resolve(recipe, overrides, store_block, None)
     plan = infra_mod.plan_for(recipe, infra)
+    # Run before and after the shard tasks: staging files of clients killed mid-request go.
+    if swept := sweep_staging(plan):
+        get_run_logger().info("removed %d stale staging files", swept)
     store = Store(plan.data, infra.storage_options)
     n = len(expected_samples(plan, store))
     per = plan.recipe.extraction.samples_per_shard
@@ -168,7 +173,7 @@ def extract_shard(
     """`server_ref`: names check-or-start-vllm's handle when this task runs in the flow's process
     (the default thread pool); a server it launched that dies mid-shard is then started again and
     the shard retried, as the CLI does. Elsewhere (a Dask worker) the name finds no handle: the
-    shard fails and a retry of the flow run starts the server again."""
+    shard fails, and the flow (extract_every_shard) starts the server again and reruns it."""
     where = where_this_runs()
     get_run_logger().info(
         "shard %s on %s (host %s, pid %s)", shard, where["worker"], where["host"], where["pid"]
@@ -294,6 +299,16 @@ def extract_every_shard(
     with shard_runner(runner_settings or {"task_runner": "threads"}) as runner:
         # done/total, rate, ETA and failures as the shard tasks finish
         outcomes = wait_for_shards(list(runner.map(extract_shard, parameters(shards))), progress_key)
+        for _ in range(MAX_RESTARTS):
+            # A shard task that met a dead server and could not restart it (one on a Dask worker:
+            # the handle lives in this process) failed; restart here, then run those shards again.
+            lost = [s for s, o in zip(shards, outcomes) if server_went_away(o)]
+            if not lost or server is None or not server.restart_dead(server.restarts):
+                break
+            get_run_logger().warning("vLLM went away under %d shard tasks; running them again", len(lost))
+            again = runner.map(extract_shard.with_options(refresh_cache=True), parameters(lost))
+            redo = dict(zip(lost, wait_for_shards(list(again), progress_key)))
+            outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
         missing = set(plan_shards(recipe, overrides, store_block)["missing"])
         stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
         if stale:

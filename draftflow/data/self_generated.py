@@ -19,6 +19,8 @@ How one conversation is made (attempt ``i`` of a source):
 
 Every finished step is appended to a local JSONL file (one line, flushed and fsynced); a
 rerun after a kill reads it and generates only what is missing. A torn last line is ignored.
+A pass that fails (no usable prompt or conversation: a misconfigured or wrong server) is not
+resumed: its file is moved aside (named in the error) so the next run asks the target afresh.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -161,6 +164,14 @@ class _Partial:
     def close(self) -> None:
         self._file.close()
 
+    def set_aside(self) -> Path:
+        """Move the file out of the way of the next run (kept, under a name no run reads)."""
+        aside = self.path.with_name(
+            f"{self.path.stem}.failed-{time.strftime('%Y%m%dT%H%M%S')}{self.path.suffix}"
+        )
+        os.replace(self.path, aside)
+        return aside
+
 
 async def generate_conversations(
     settings: SelfGeneratedSection,
@@ -181,6 +192,13 @@ async def generate_conversations(
         return await _generate(
             settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial, resumed
         )
+    except SelfGenerationError as err:
+        partial.close()
+        aside = partial.set_aside()
+        raise SelfGenerationError(
+            f"{err}. This pass's attempts are in {aside} for inspection; they are not reused, the next "
+            "run asks the target afresh"
+        ) from None
     finally:
         partial.close()
 

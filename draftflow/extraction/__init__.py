@@ -30,6 +30,7 @@ from draftflow.extraction.shards import (
     extraction_info,
     make_client,
     sample_failure,
+    sweep_staging,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "make_client",
     "plan_extraction",
     "plan_shard",
+    "sweep_staging",
     "prepare_data",
     "run_extraction",
     "sample_failure",

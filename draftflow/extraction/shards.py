@@ -4,11 +4,14 @@ A sample the server rejects (HTTP 400/413/422) or returns invalid becomes a
 :class:`FailedSample` with the reason: recorded in the shard's fragment, never stored as
 data, and retried by the next run. A server that is down or misconfigured raises instead,
 because that is no fault of the sample and would otherwise mark every sample failed.
+A server error (5xx) that only some samples of a shard get is theirs: each is tried once more
+on its own, and one that fails again is recorded as failed while the rest are committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,12 +27,20 @@ from draftflow.plan import NOT_THE_STORE, Plan
 from draftflow.recipe.load import expand
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
 from draftflow.store.shard import as_stored
-from draftflow.vllm.client import InvalidHiddenStates, RequestFailed, VLLMClient, VLLMError
+from draftflow.vllm.client import (
+    RETRYABLE_STATUS_MIN,
+    InvalidHiddenStates,
+    RequestFailed,
+    VLLMClient,
+    VLLMError,
+)
+from draftflow.vllm.hidden_states_file import sweep_stale
 from draftflow.vllm.server import ServerHandle, with_restarts
 
 # HTTP statuses that mean "this prompt is unacceptable" (too long, bad tokens), not "the server
 # is broken" (5xx) or "we are misconfigured" (401/403/404: every sample would fail the same way).
 _SAMPLE_REJECTED = frozenset({400, 413, 422})
+STALE_STAGING_S = 600.0  # a staging file this old belongs to no live request
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,24 @@ def staging_folders(plan: Plan) -> list[str]:
     return [expand(d) for d in plan.recipe.vllm.staging_folders()]
 
 
+def server_error(result: object) -> bool:
+    return isinstance(result, RequestFailed) and result.status >= RETRYABLE_STATUS_MIN
+
+
+def sweep_staging(plan: Plan, staging_dirs: Sequence[str] | None = None) -> int:
+    """Remove staging files that killed clients left (never read, never deleted; the folder is
+    often RAM). Only files far older than any request can be are touched, only names the
+    connector writes, and only in the recipe's staging folders (never one a server's answer
+    named). Every path that extracts calls it, at its start and at its end."""
+    older_than_s = max(STALE_STAGING_S, 2 * plan.recipe.extraction.request_timeout_s)
+    folders = sorted(set(staging_folders(plan) if staging_dirs is None else staging_dirs))
+    return sum(sweep_stale(folder, older_than_s) for folder in folders if os.path.isdir(folder))
+
+
 def sample_failure(err: VLLMError) -> str | None:
     """The reason to record when ``err`` is the sample's own fault; None when it is not."""
+    if isinstance(err, _OwnServerError):
+        return f"server error on every attempt, alone too: HTTP {err.status}: {err.message}"[:500]
     if isinstance(err, InvalidHiddenStates):
         return f"invalid hidden states: {err.reason}"[:500]
     if isinstance(err, RequestFailed) and err.status in _SAMPLE_REJECTED:
@@ -113,9 +140,15 @@ async def extract_samples(
         if on_sample is not None:
             on_sample(len(tokens[i][0]), not isinstance(result, VLLMError))
 
-    results = await client.extract_many(
-        [(sid, ids.tolist()) for sid, (ids, _) in zip(sample_ids, tokens, strict=True)], on_result=finished
+    requests = [(sid, ids.tolist()) for sid, (ids, _) in zip(sample_ids, tokens, strict=True)]
+    # A 5xx may be tried again below: its sample is reported once it is settled.
+    first = await client.extract_many(
+        requests, on_result=lambda i, result: None if server_error(result) else finished(i, result)
     )
+    results = await _retry_server_errors_alone(client, requests, first)
+    for i, result in enumerate(first):
+        if server_error(result):
+            finished(i, results[i])
     out: list[Sample | FailedSample] = []
     for sid, (ids, mask), result in zip(sample_ids, tokens, results, strict=True):
         if isinstance(result, VLLMError):
@@ -128,6 +161,28 @@ async def extract_samples(
         hidden = as_stored(result.hidden_states, dtype)
         out.append(Sample(sid, hidden, torch.from_numpy(ids), torch.from_numpy(mask)))
     return out
+
+
+class _OwnServerError(RequestFailed):
+    """A 5xx a sample got on every attempt, alone too, while the server answered the others."""
+
+
+async def _retry_server_errors_alone(
+    client: VLLMClient, requests: list[tuple[str, list[int]]], results: list
+) -> list:
+    """Try each sample that got a 5xx once more on its own, when others of the batch succeeded
+    (so the server works). When none succeeded the server is at fault and nothing changes: the
+    shard raises, and its caller restarts the server and runs the shard again."""
+    failed = [i for i, r in enumerate(results) if server_error(r)]
+    if not failed or all(server_error(r) or isinstance(r, VLLMError) for r in results):
+        return results
+    results = list(results)
+    for i in failed:
+        [again] = await client.extract_many([requests[i]])
+        if server_error(again):
+            again = _OwnServerError(again.endpoint, again.status, again.message)
+        results[i] = again
+    return results
 
 
 def _check_plan(train: TrainSet, shard: PlannedShard) -> None:

@@ -10,6 +10,7 @@ The file protocol (lock, read, validate, delete) is in :mod:`draftflow.vllm.hidd
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +28,7 @@ from draftflow.vllm.errors import (  # noqa: F401  (re-exported: callers catch t
 )
 from draftflow.vllm.hidden_states_file import (  # noqa: F401  (re-exported)
     discard_hidden_states,
+    is_staging_name,
     read_hidden_states,
     remove_hidden_states,
     staging_path,
@@ -166,10 +168,14 @@ class VLLMClient:
     def _endpoint(self, endpoint: str | None) -> str:
         return (endpoint or self.endpoints[0]).rstrip("/")
 
-    async def _request(self, method: str, endpoint: str, path: str, **kwargs) -> httpx.Response:
+    async def _request(
+        self, method: str, endpoint: str, path: str, on_retry: Callable[[], None] | None = None, **kwargs
+    ) -> httpx.Response:
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if attempt:
+                if on_retry is not None:
+                    on_retry()
                 # Exponential backoff with jitter so retries from many workers do not align.
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), 30.0) * (0.5 + random.random()))
             try:
@@ -222,28 +228,51 @@ class VLLMClient:
         """Hidden states of one prompt (validated, files removed)."""
         ep = self._endpoint(endpoint)
         prompt = [int(t) for t in token_ids]
-        request_id = request_id or uuid.uuid4().hex
+        request_id = _unique(request_id)
         model = await self.model_name(ep)
+        retried: list[bool] = []
         async with self._limits[ep]:
-            response = await self._request(
-                "POST",
-                ep,
-                "/v1/completions",
-                json=completion_payload(model, prompt),
-                headers={"X-Request-Id": request_id},
-            )
-            path = hidden_states_path(_json(response, ep), ep, prompt, self.staging_dirs)
-            # Lock waits and file reads block: keep them off the event loop.
-            tokens, hidden = await asyncio.to_thread(
-                read_hidden_states,
-                path,
-                prompt,
-                self.num_layers,
-                self.hidden_size,
-                self.lock_timeout_s,
-                self.exclusive_lock,
-            )
+            try:
+                response = await self._request(
+                    "POST",
+                    ep,
+                    "/v1/completions",
+                    on_retry=lambda: retried.append(True),
+                    json=completion_payload(model, prompt),
+                    headers={"X-Request-Id": request_id},
+                )
+                path = hidden_states_path(_json(response, ep), ep, prompt, self.staging_dirs)
+                # Lock waits and file reads block: keep them off the event loop.
+                tokens, hidden = await asyncio.to_thread(
+                    read_hidden_states,
+                    path,
+                    prompt,
+                    self.num_layers,
+                    self.hidden_size,
+                    self.lock_timeout_s,
+                    self.exclusive_lock,
+                )
+            finally:
+                if retried:
+                    await asyncio.to_thread(self.discard_files_of, request_id)
         return ExtractedSample(tokens, hidden, ep, request_id)
+
+    def discard_files_of(self, request_id: str) -> int:
+        """Delete the staging files of every attempt at ``request_id`` (a retried request leaves
+        the file of each attempt the server finished): only in our staging folders, only names
+        the server gives that request. Returns how many were removed."""
+        prefixes = (f"cmpl-{request_id}-", f"chatcmpl-{request_id}-")
+        removed = 0
+        for folder in self.staging_dirs:
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                if name.startswith(prefixes) and name.endswith(".safetensors") and is_staging_name(name):
+                    discard_hidden_states(os.path.join(folder, name), self.lock_timeout_s)
+                    removed += 1
+        return removed
 
     async def extract_many(
         self,
@@ -321,16 +350,23 @@ class VLLMClient:
         ep = self._endpoint(endpoint)
         model = await self.model_name(ep)
         payload = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        async with self._limits[ep]:
-            response = await self._request(
-                "POST",
-                ep,
-                "/v1/chat/completions",
-                json=payload,
-                headers={"X-Request-Id": request_id or uuid.uuid4().hex},
-            )
-        body = _json(response, ep)
-        await self._discard_side_file(body)
+        request_id = _unique(request_id)
+        retried: list[bool] = []
+        try:
+            async with self._limits[ep]:
+                response = await self._request(
+                    "POST",
+                    ep,
+                    "/v1/chat/completions",
+                    on_retry=lambda: retried.append(True),
+                    json=payload,
+                    headers={"X-Request-Id": request_id},
+                )
+            body = _json(response, ep)
+            await self._discard_side_file(body)
+        finally:
+            if retried:
+                await asyncio.to_thread(self.discard_files_of, request_id)
         choice, usage = body["choices"][0], body.get("usage") or {}
         return ChatReply(
             text=choice["message"].get("content") or "",
@@ -385,6 +421,13 @@ class VLLMClient:
         if path:
             staging_path(path, self.staging_dirs)
             await asyncio.to_thread(discard_hidden_states, path, self.lock_timeout_s)
+
+
+def _unique(request_id: str | None) -> str:
+    """A request id no other request shares (the caller's, e.g. a sample id, as its prefix): the
+    files named after it are this request's alone."""
+    suffix = uuid.uuid4().hex[:12]
+    return f"{request_id}-{suffix}" if request_id else uuid.uuid4().hex
 
 
 def _json(response: httpx.Response, endpoint: str) -> dict:

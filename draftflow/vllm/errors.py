@@ -7,6 +7,10 @@ class VLLMError(RuntimeError):
     """Base of every error talking to a vLLM server."""
 
 
+class ServerCheckError(VLLMError):
+    """An endpoint cannot be used as asked; the message says exactly what differs."""
+
+
 class EndpointUnavailable(VLLMError):
     """No connection to the endpoint (after retries)."""
 

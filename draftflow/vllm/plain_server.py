@@ -3,10 +3,12 @@
 An extraction server drafts and rejects a token on every decode step (the
 ``extract_hidden_states`` speculative method) and writes a hidden-state file for every
 request; generating text through it is much slower than through the same model served
-plainly. Preparation therefore runs against a plain server started here, which is stopped
-before the extraction server starts on the same port. An endpoint that already answers is
-used as it is (only the served model is checked): a server the pipeline did not start is
-never stopped or replaced.
+plainly, and its drafted token is not meant for text: replies come back degenerate.
+Preparation therefore runs against a plain server started here, which is stopped before the
+extraction server starts on the same port. An endpoint that already answers is used only
+when it checks out (the served model, extraction off, its dtype and context length), and never
+when another live draftflow run started it; a server the pipeline did not start is never
+stopped or replaced.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ import httpx
 
 from draftflow.recipe.load import expand
 from draftflow.recipe.schema import VLLMLaunchSection
-from draftflow.vllm.client import auth_headers
-from draftflow.vllm.server import (
-    EndpointDown,
-    ServerHandle,
-    _get_json,
-    check_model,
-    is_healthy,
-    start_server,
+from draftflow.vllm.adopted import (
+    WrongServerSettings,
+    check_adopted_settings,
+    extraction_enabled,
+    refuse_another_runs_server,
 )
+from draftflow.vllm.client import auth_headers
+from draftflow.vllm.server import EndpointDown, ServerHandle, _get_json, check_model, is_healthy, start_server
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,12 @@ def ensure_plain_running(
     dtype: str = "auto",
     log_dir: str | Path | None = None,
     health_timeout_s: float = 3.0,
+    staging_dirs: Sequence[str] = (),
+    min_model_len: int | None = None,
 ) -> ServerHandle:
-    """Endpoints that answer are checked for the model; dead ones get a plain server (``launch``)."""
+    """Endpoints that answer are checked (see the module docstring); dead ones get a plain server
+    (``launch``). ``staging_dirs``: where a probe's hidden-state file may be deleted, should an
+    answering server turn out to extract."""
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
     model = expand(model)
@@ -51,7 +56,10 @@ def ensure_plain_running(
     atexit.register(handle.stop)
     try:
         for url in urls:
-            if not is_healthy(url, health_timeout_s):
+            if launch is not None:  # a run that starts its own servers never shares another run's
+                refuse_another_runs_server(url)
+            adopted = is_healthy(url, health_timeout_s)
+            if not adopted:
                 if launch is None:
                     raise EndpointDown(
                         f"no healthy vLLM server at {url} (GET /health failed) and the recipe has no "
@@ -61,7 +69,18 @@ def ensure_plain_running(
                 handle.started.append(start_server(url, model, [], api_key, launch, dtype, log_dir))
                 log.info("plain vLLM server (generation only) up at %s", url)
             with httpx.Client(base_url=url, headers=auth_headers(api_key), timeout=60.0) as http:
-                check_model(url, model, _get_json(http, url, "/v1/models").get("data", []))
+                served = _get_json(http, url, "/v1/models").get("data", [])
+                served_id = check_model(url, model, served)
+                if adopted:
+                    entry = next(e for e in served if e.get("id") == served_id)
+                    for note in check_adopted_settings(url, entry, dtype, min_model_len):
+                        log.warning(note)
+                    if extraction_enabled(http, url, served_id, [expand(d) for d in staging_dirs]):
+                        raise WrongServerSettings(
+                            f"{url} extracts hidden states (started with --kv-transfer-config): text "
+                            "generated through it is not the target's. Generation needs a plain server: "
+                            "stop that one, or let draftflow start one (vllm.launch)"
+                        )
     except BaseException:
         handle.stop()
         raise

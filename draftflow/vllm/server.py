@@ -32,32 +32,36 @@ import httpx
 from draftflow.recipe.load import default_home, expand
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm import lifecycle
+from draftflow.vllm.adopted import (  # noqa: F401  (re-exported: callers catch them from here)
+    LOCAL_HOSTS,
+    PROBE_TOKENS,
+    PortHeldByAnotherRun,
+    WrongServerSettings,
+    check_adopted_settings,
+    is_local,
+    refuse_another_runs_server,
+)
 from draftflow.vllm.client import (
     RETRYABLE_STATUS_MIN,
     EndpointUnavailable,
     ExtractionNotEnabled,
     RequestFailed,
     VLLMClient,
-    VLLMError,
     auth_headers,
     completion_payload,
     error_message,
     hidden_states_path,
     read_hidden_states,
 )
+from draftflow.vllm.errors import ServerCheckError
 from draftflow.vllm.launch import LaunchSpec, ServerProcess
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Any ids will do for the probe: every vocabulary has them, and only shapes are checked.
-DEFAULT_PROBE_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8)
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+DEFAULT_PROBE_TOKENS = PROBE_TOKENS  # only shapes are checked
 MAX_RESTARTS = 3  # server restarts one piece of work (a shard) may wait for before it fails
-
-
-class ServerCheckError(VLLMError):
-    """An endpoint cannot be used as asked; the message says exactly what differs."""
+DEAD_AFTER_S = 60.0  # a live server that has not answered /health for this long is taken for hung
 
 
 class EndpointDown(ServerCheckError):
@@ -109,6 +113,26 @@ class ServerHandle:
         self.started.append(self.relaunch(url))
         return True
 
+    def is_dead(self, url: str, window_s: float | None = None) -> bool:
+        """Whether the server at ``url`` is gone, as opposed to busy: one we started whose process
+        exited, nothing listening on the port, or no answer to /health for ``window_s``. A server
+        that answers at all within the window is alive, however slowly."""
+        window_s = DEAD_AFTER_S if window_s is None else window_s
+        if any(not p.alive() for p in self.started if p.url.rstrip("/") == url.rstrip("/")):
+            return True
+        deadline = time.monotonic() + window_s
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=10.0).status_code == 200:
+                    return False
+            except httpx.ConnectError:
+                return True  # nothing listens there
+            except httpx.HTTPError:
+                pass  # no answer in time: busy, or hung
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(2.0)
+
     def restart_dead(self, seen: int) -> bool:
         """After work failed because a server went away: start every endpoint that no longer
         answers again, once for all the callers that saw it fail (they fail together). `seen` is
@@ -119,7 +143,7 @@ class ServerHandle:
             if self.restarts != seen:  # another caller restarted them meanwhile
                 return True
             for url in self.endpoints:
-                if not is_healthy(url) and not self.revive(url):
+                if self.is_dead(url) and not self.revive(url):
                     return False
             self.restarts += 1
             return True
@@ -136,6 +160,14 @@ class ServerHandle:
         self.stop()
 
 
+def server_went_away(outcome: object) -> bool:
+    """Whether a failure is the server's, not the work's: no connection, or a 5xx after the
+    client's retries (what a restart may cure)."""
+    if isinstance(outcome, EndpointUnavailable):
+        return True
+    return isinstance(outcome, RequestFailed) and outcome.status >= RETRYABLE_STATUS_MIN
+
+
 async def with_restarts(attempt: Callable[[], Awaitable[T]], server: ServerHandle | None) -> T:
     """``await attempt()``; when it fails because a server died (connection refused, 5xx after
     the client's retries) and `server` can start it again, restart and retry, up to MAX_RESTARTS
@@ -145,8 +177,7 @@ async def with_restarts(attempt: Callable[[], Awaitable[T]], server: ServerHandl
         try:
             return await attempt()
         except (EndpointUnavailable, RequestFailed) as err:
-            server_side = isinstance(err, EndpointUnavailable) or err.status >= RETRYABLE_STATUS_MIN
-            if not server_side or server is None or tries >= MAX_RESTARTS:
+            if not server_went_away(err) or server is None or tries >= MAX_RESTARTS:
                 raise
             if not await asyncio.to_thread(server.restart_dead, seen):
                 raise
@@ -167,6 +198,7 @@ def ensure_running(
     health_timeout_s: float = 3.0,
     strict_layer_ids: bool = False,
     staging_dirs: Sequence[str] = (),
+    min_model_len: int | None = None,
 ) -> ServerHandle:
     """Check every endpoint; start the dead ones when `launch` is given (else fail fast).
 
@@ -175,6 +207,8 @@ def ensure_running(
     With `strict_layer_ids`, a running server not started here is refused, because its layer
     ids (beyond their count) cannot be verified. `staging_dirs`: where servers may name
     hidden-state files (the launch section's staging_dir is added); files elsewhere are refused.
+    A server that answers but was not started here must also compute in `dtype` (or float32)
+    and take `min_model_len` tokens; one another live draftflow run started is never used.
     """
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
@@ -185,8 +219,8 @@ def ensure_running(
     if launch is not None:
         handle.staging_dirs.append(expand(launch.staging_dir))
 
-    def check(url: str) -> None:
-        check_endpoint(
+    def check(url: str) -> dict:
+        return check_endpoint(
             url,
             model,
             layer_ids,
@@ -211,8 +245,11 @@ def ensure_running(
     atexit.register(handle.stop)  # a crashed pipeline must not leave our servers running
     try:
         for url in urls:
+            if launch is not None:  # a run that starts its own servers never shares another run's
+                refuse_another_runs_server(url)
             if is_healthy(url, health_timeout_s):
-                check(url)
+                served = check(url)
+                unchecked = check_adopted_settings(url, served, dtype, min_model_len)
                 note = (
                     f"{url}: server not started by draftflow; its layer ids cannot be read over HTTP, "
                     f"only their count ({len(layer_ids)}) and the hidden size ({hidden_size}) were checked"
@@ -221,8 +258,9 @@ def ensure_running(
                     raise WrongLayers(
                         f"{note}; strict_layer_ids refuses it: stop it and let the pipeline start one"
                     )
-                log.warning(note)
-                handle.unverified.append(note)
+                for line in (note, *unchecked):
+                    log.warning(line)
+                handle.unverified += [note, *unchecked]
                 continue
             if launch is None:
                 raise EndpointDown(
@@ -257,13 +295,15 @@ def check_endpoint(
     probe_token_ids: Sequence[int],
     timeout_s: float,
     staging_dirs: Sequence[str] = (),
-) -> None:
-    """Model served and a probe extraction's layer count, hidden size and tokens."""
+) -> dict:
+    """Model served and a probe extraction's layer count, hidden size and tokens; returns the
+    served model's /v1/models entry."""
     headers = auth_headers(api_key)
     with httpx.Client(base_url=url, headers=headers, timeout=max(timeout_s, 60.0)) as http:
         served = _get_json(http, url, "/v1/models").get("data", [])
         served_id = check_model(url, model, served)
         check_extraction(http, url, served_id, layer_ids, hidden_size, probe_token_ids, staging_dirs)
+    return next(e for e in served if e.get("id") == served_id)
 
 
 def _get_json(http: httpx.Client, url: str, path: str) -> dict:

@@ -115,3 +115,51 @@ def test_partial_file_of_a_remote_store_lives_under_the_local_home(tmp_path):
     )
     remote = DataLayout("s3://bucket/store/name-fp")
     assert remote.generation_partial(0, "/home/x") == "/home/x/generation/name-fp/source-0.jsonl"
+
+
+def test_a_failed_generation_pass_is_set_aside_not_replayed(smollm2_tokenizer, tmp_path):
+    """A target that writes only degenerate prompts (a wrong server) fails the pass; the next run,
+    against a sane target, must ask afresh instead of replaying the cached garbage."""
+    import asyncio
+
+    from draftflow.data.self_generated import Sampled, SelfGenerationError, generate_conversations
+
+    encoder = ChatEncoder(smollm2_tokenizer)
+    settings = SelfGeneratedSection(num_prompts=3, topics=["chat"])
+    path = tmp_path / "generation" / "source-0.jsonl"
+
+    def sampler(text_of):
+        async def sample(ids, max_tokens, temperature, top_p, seed):
+            return Sampled(text_of(seed), "stop")
+
+        return sample
+
+    async def reply(messages, max_tokens):
+        return "Sure, here is an answer."
+
+    def run(text_of):
+        return asyncio.run(
+            generate_conversations(
+                settings,
+                encoder,
+                sampler(text_of),
+                reply,
+                seed=0,
+                reply_max_tokens=32,
+                concurrency=2,
+                partial_path=str(path),
+            )
+        )
+
+    with pytest.raises(SelfGenerationError, match="no usable prompt") as failed:
+        run(lambda seed: "for for for for for for for for for for for for for for for for")
+    [aside] = path.parent.glob("source-0.failed-*.jsonl")
+    assert str(aside) in str(failed.value) and not path.exists()
+    questions = [
+        "What is the capital of France?",
+        "How do I bake sourdough bread at home?",
+        "Can you explain how photosynthesis works in plants?",
+        "Write a short poem about the sea in winter.",
+    ]
+    result = run(lambda seed: questions[seed % len(questions)])
+    assert len(result.conversations) == 3 and result.resumed == 0

@@ -1,6 +1,8 @@
 """The Prefect extract flow survives its launched vLLM server dying mid-run: it starts the server
-again (the CLI's restart logic, through the server handle) and retries the shards that were in
-flight, and the store ends complete, every sample exactly once."""
+again and retries the shards that were in flight, and the store ends complete, every sample
+exactly once. On both task runners: in the flow's threads the shard task restarts the server
+itself (the CLI's restart logic, through the server handle); on Dask worker processes the shard
+fails and the flow, which holds the handle, restarts the server and runs those shards again."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from extraction_helpers import launch_recipe_dict, request_count
 
 from draftflow.extraction import expected_samples
 from draftflow.plan import Plan
-from draftflow.process_group import live_members
+from draftflow.process_group import group_alive, live_members
 from draftflow.store import Store, read_manifest, verify
 from draftflow.vllm import lifecycle
 from draftflow.vllm.launch import free_port
@@ -36,8 +38,9 @@ def api_server_pids(pgid: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("runner", ["threads", "dask"])
 def test_extract_flow_restarts_a_launched_server_killed_mid_run(
-    prefect_server, vllm_servers, vllm_python, smollm2_dir: Path, tmp_path: Path, monkeypatch
+    prefect_server, vllm_servers, vllm_python, smollm2_dir: Path, tmp_path: Path, monkeypatch, runner: str
 ):
     from flows.stages import extract
 
@@ -56,7 +59,8 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
         eval_samples=4,
         max_length=128,
     )
-    recipe["name"] = "prefect-vllm-restart"
+    recipe["name"] = f"prefect-vllm-restart-{runner}"
+    recipe["prefect"] = {"task_runner": runner} | ({"workers": 1} if runner == "dask" else {})
     # One request at a time: the served count climbs one by one, so the killer below lands
     # while many requests are still to come (at 4 in flight a slow /metrics read skipped ~30).
     recipe["extraction"]["concurrency"] = 1
@@ -112,8 +116,8 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
     # the flow stopped the server it started again; nothing of either launch is left
     assert lifecycle.records() == []
     for group in (seen["killed group"], seen["new group"]):
-        assert not lifecycle._group_alive(group), group
+        assert not group_alive(group), group
     print(
-        f"vLLM kill -9 during the extract flow: killed with {seen['served at kill']:.0f} of {len(expected)} "
+        f"vLLM kill -9 during the extract flow ({runner}): killed with {seen['served at kill']:.0f} of {len(expected)} "
         f"requests served; restarted; {len(ids)}/{len(expected)} samples, 0 lost, 0 duplicated, 0 corrupt"
     )

@@ -7,15 +7,23 @@ requires an API key, so every check below also proves the key is sent.
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from draftflow.process_group import group_alive
 from draftflow.vllm.client import RequestFailed, VLLMClient
-from draftflow.vllm.server import ServerCheckError, WrongLayers, WrongModel, ensure_running, is_healthy
+from draftflow.vllm.plain_server import ensure_plain_running
+from draftflow.vllm.server import (
+    ServerCheckError,
+    WrongLayers,
+    WrongModel,
+    WrongServerSettings,
+    ensure_running,
+    is_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +144,7 @@ def test_data_parallel_extraction_over_two_endpoints(smollm2_extraction, prompts
             return await c.extract_many(items)
 
     results = run(go())
-    assert [r.request_id for r in results] == [i for i, _ in items]
+    assert [r.request_id.rsplit("-", 1)[0] for r in results] == [i for i, _ in items]  # + a unique suffix
     assert all(r.token_ids.tolist() == list(t) for r, (_, t) in zip(results, items))
     assert {r.endpoint for r in results} == set(endpoints)
     assert list(smollm2_extraction.staging_dir.iterdir()) == []
@@ -183,6 +191,27 @@ def test_running_server_is_checked_and_accepted_but_not_owned(smollm2_extraction
         assert h.started == []
         assert "layer ids cannot be read over HTTP" in h.unverified[0]
     assert is_healthy(smollm2_extraction.url)  # leaving the context did not stop a server it did not start
+
+
+def test_a_server_too_short_for_the_recipes_samples_is_refused(smollm2_extraction, smollm2_dir):
+    with pytest.raises(WrongServerSettings, match=r"takes at most 512 tokens .*--max-model-len 4096"):
+        check(smollm2_extraction, smollm2_dir, min_model_len=4096)
+    with check(smollm2_extraction, smollm2_dir, min_model_len=512, dtype="float32") as h:
+        assert h.started == [] and len(h.unverified) == 1  # length and dtype checked: only layer ids not
+
+
+def test_an_extraction_server_is_never_used_to_generate_text(smollm2_extraction, smollm2_dir):
+    """Text generated through an extraction server is not the target's (it drafts a bogus token
+    every step): generation refuses it, and the probe's hidden-state file is not left behind."""
+    with pytest.raises(WrongServerSettings, match="extracts hidden states .* needs a plain server"):
+        ensure_plain_running(
+            smollm2_extraction.url,
+            model=str(smollm2_dir),
+            api_key=smollm2_extraction.api_key,
+            staging_dirs=[str(smollm2_extraction.staging_dir)],
+        )
+    assert list(smollm2_extraction.staging_dir.iterdir()) == []
+    assert is_healthy(smollm2_extraction.url)  # not ours to stop
 
 
 def test_wrong_model_names_both(smollm2_extraction, smollm2_dir, tiny_llama_dir):
@@ -244,13 +273,34 @@ def test_staging_dir_is_empty_after_everything(smollm2_extraction):
     assert list(smollm2_extraction.staging_dir.iterdir()) == []
 
 
+def test_a_server_slow_to_answer_health_is_not_taken_for_dead(smollm2_extraction):
+    """Frozen for 8 s (longer than a /health timeout): restart_dead waits for it instead of
+    stopping a live server, and the same process serves on."""
+    import threading
+
+    import psutil
+
+    handle = smollm2_extraction.handle
+    [server] = handle.started
+    [api] = [c for c in psutil.Process(server.pid).children() if "vllm.entrypoints" in " ".join(c.cmdline())]
+    api.suspend()
+    thaw = threading.Timer(8.0, api.resume)
+    thaw.start()
+    try:
+        assert handle.restart_dead(handle.restarts) is True
+    finally:
+        thaw.cancel()
+        api.resume()
+    assert handle.started == [server] and server.alive() and api.is_running()
+    assert is_healthy(smollm2_extraction.url)
+
+
 def test_handle_stops_the_server_it_started(smollm2_extraction):
     """Runs last in this module: stopping here is what the fixture's teardown would do."""
     proc = smollm2_extraction.handle.started[0]
     pid, url = proc.pid, smollm2_extraction.url
     smollm2_extraction.handle.stop()
     assert proc.proc.poll() is not None
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)  # no process of its group (engine core, workers) is left
+    assert not group_alive(pid)  # no process of its group (engine core, workers) runs on
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
