@@ -1,5 +1,8 @@
 """The training loop: AdamW, warm-up + decay, clipping, data parallel, checkpoints, resume, SIGTERM.
 
+A run folder lease lost on an object store (:mod:`draftflow.train.run_state`) stops every rank at
+the end of the step, like SIGTERM, but with :class:`~draftflow.train.run_state.LeaseLost`.
+
 Each pack of a step is a micro-batch whose loss is a mean over its own labelled tokens;
 a step averages its packs (DDP averages over ranks), so N processes with batch b compute
 exactly what one process with batch N·b computes. Anchors are drawn from a generator
@@ -22,7 +25,7 @@ import torch
 
 from draftflow.models.common import with_every_position_labelled, with_feature_noise
 from draftflow.paths import RunLayout
-from draftflow.train import checkpointing
+from draftflow.train import checkpointing, run_state
 from draftflow.train.batches import Source, StepLoader, StepPlan
 from draftflow.train.drafter import DrafterSetup
 from draftflow.train.metrics import MetricsLog
@@ -125,6 +128,14 @@ def train(
         start_epoch=state.epoch,
         start_step=state.epoch_step,
     )
+
+    def save_checkpoint() -> str:  # rank 0
+        folder = checkpointing.save(layout, model, optimizer, scheduler, state)
+        metrics.flush()
+        if monitor is not None:
+            monitor.flush()
+        return folder
+
     stop = _Stop()
     stopping = False
     last: dict = {}
@@ -181,17 +192,20 @@ def train(
                     monitor.logged(last)
             if end_of_epoch:
                 state.epoch, state.epoch_step = state.epoch + 1, 0
-            stopping = bool(runtime.ranks_with(stop.requested))
+            lease_lost = run_state.lease_problem() is not None  # rank 0's lease, on an object store
+            stopping = bool(runtime.ranks_with(stop.requested or lease_lost))
+            if stopping and runtime.ranks_with(lease_lost):
+                error = run_state.stop_for_lost_lease(runtime, save_checkpoint)
+                if monitor is not None:  # what it had to keep went with that checkpoint, if any
+                    monitor.close(upload=False)
+                raise error
             if (
                 stopping
                 or end_of_epoch
                 or (training.checkpoint_every and state.step % training.checkpoint_every == 0)
             ):
                 if runtime.is_main:
-                    checkpointing.save(layout, model, optimizer, scheduler, state)
-                    metrics.flush()
-                    if monitor is not None:
-                        monitor.flush()
+                    save_checkpoint()
                 runtime.barrier()
             if stopping:
                 return LoopResult(state.step, resumed, True, last, found.torn)

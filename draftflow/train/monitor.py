@@ -6,23 +6,37 @@ every ``training.eval_every`` steps, keeps the trainable weights of the best val
 in ``RUN/best/`` (exported instead of the last step's), writes every logged record to
 TensorBoard event files under ``RUN/tensorboard`` and redraws ``RUN/training_curves.png``.
 Only rank 0 writes; every rank runs the validation (the counts are all-reduced).
+
+The target's full-vocabulary head (the greedy reference) is frozen, so each validation sample's
+greedy tokens are computed once and cached; the head is held only until then (the first
+validation), not on the device for the whole run. The best weights and ``best.json`` are each
+written whole; a torn or dangling ``best.json`` (an older trainer's crash) falls back to the
+last best the metrics name whose weights exist, with a warning, instead of failing the resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from draftflow.paths import RunLayout
 from draftflow.remote import open_url, url_to_fs
-from draftflow.train import validation
+from draftflow.train import checkpointing, validation
 from draftflow.train.runtime import Runtime
+
+# Rows per full-vocabulary head product: fp32 logits of a 64k-token sample at once would take
+# 64k x vocabulary x 4 bytes (tens of GB at a 150k vocabulary); 1,024 rows take under 1 GB.
+GREEDY_ROWS = 1024
+BEST_WEIGHTS_NAME = re.compile(r"step-\d{8}\.safetensors")  # what RunLayout.best_weights names
 
 
 @dataclass(frozen=True)
@@ -100,9 +114,7 @@ class Monitor:
         """After a resume at ``step``: earlier records and the best step up to it are kept."""
         self._records = [r for r in earlier_records if r.get("step", 0) <= step]
         self.validations = sum(1 for r in self._records if "val_tau" in r)
-        self.best = _read_best(self.layout)
-        if self.best is not None and self.best.step > step:  # from steps about to run again
-            self.best = None
+        self.best = self._recover_best(step)
         if self._board is not None:
             self._board.open(purge_step=step + 1 if step else None)
 
@@ -122,6 +134,7 @@ class Monitor:
                 ids, mask = sample.token_ids.long().to(device), sample.loss_mask.to(device)
                 greedy = self._greedy_next(sample).to(device)
                 counts.merge(validation.sample_counts(model, self.draft_length, hidden, ids, mask, greedy))
+        self._head = None  # every sample of `mine` now has its greedy tokens cached: the head is not needed
         total = self.runtime.all_reduce_sum(counts.as_tensor().to(device)).cpu()
         counts = validation.AcceptanceCounts.from_tensor(self.draft_length, total)
         self.validations += 1
@@ -155,16 +168,36 @@ class Monitor:
         if self._board is not None:
             self._board.flush()
 
-    def close(self) -> None:
+    def close(self, upload: bool = True) -> None:
+        """``upload=False``: a remote run folder gets nothing more (its lease was lost)."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._board is not None:
-            self._board.close()
+            self._board.close(upload)
 
     # -- helpers ------------------------------------------------------------------------
 
+    def _recover_best(self, step: int) -> Best | None:
+        """best.json if it is whole and names existing weights; otherwise the last best the metrics
+        name whose weights exist, and best.json is rewritten to name it (the export reads it)."""
+        recorded = _read_best(self.layout)
+        if recorded is not None:
+            return recorded if recorded.step <= step else None  # later ones: steps about to run again
+        fs, path = url_to_fs(self.layout.best_record)
+        if not fs.exists(path):
+            return None
+        best = _best_from_records(self.layout, self._records)
+        if best is not None and self.runtime.is_main:
+            checkpointing.put_whole(self.layout.best_record, json.dumps(best.as_dict()).encode())
+            _warn(
+                f"{self.layout.best_record} now names step {best.step} (val τ {best.tau:.4f}) from the metrics"
+            )
+        return best
+
     def _greedy_next(self, sample) -> torch.Tensor:
-        """g[i] (see validation's module doc), cached per sample: the head is frozen."""
+        """g[i] (see validation's module doc), cached per sample: the head is frozen. The head is loaded
+        while some sample lacks its tokens and dropped at the end of that validation (see validate)."""
         cached = self._greedy.get(sample.sample_id)
         if cached is not None:
             return cached
@@ -175,7 +208,13 @@ class Monitor:
                 from draftflow.models.target_weights import TargetHead
 
                 self._head = TargetHead.from_pretrained(self.target_model, None).to(self.runtime.device)
-            g = self._head(sample.hidden_states[:, self.last_layer].to(self.runtime.device)).argmax(-1).cpu()
+            last = sample.hidden_states[:, self.last_layer]
+            g = torch.cat(
+                [
+                    self._head(last[s : s + GREEDY_ROWS].to(self.runtime.device)).argmax(-1).cpu()
+                    for s in range(0, last.shape[0], GREEDY_ROWS)
+                ]
+            )
         self._greedy[sample.sample_id] = g
         return g
 
@@ -191,36 +230,71 @@ class Monitor:
 
 
 def _write_best(layout: RunLayout, model: torch.nn.Module, best: Best) -> None:
-    """Weights first, then best.json naming them (a crash in between keeps the previous best)."""
+    """Weights first, then best.json naming them, each written whole (temp name, fsync, rename; one PUT
+    on object stores): a crash at any point leaves the previous best.json and the weights it names."""
     trainable = {
         n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad
     }
     fs, folder = url_to_fs(layout.best_dir)
     fs.makedirs(folder, exist_ok=True)
-    previous = _read_best(layout)
-    with open_url(best.weights, "wb") as f:
-        f.write(save_safetensors(trainable))
-    with open_url(layout.best_record, "w") as f:
-        f.write(json.dumps(best.as_dict()))
-    if previous is not None and previous.weights != best.weights:
-        fs.rm(url_to_fs(previous.weights)[1])
+    checkpointing.put_whole(best.weights, save_safetensors(trainable))
+    checkpointing.put_whole(layout.best_record, json.dumps(best.as_dict()).encode())
+    keep = url_to_fs(best.weights)[1].rstrip("/").rsplit("/", 1)[-1]
+    for entry in fs.ls(folder, detail=False):  # earlier bests, and weights a crash left unnamed
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if BEST_WEIGHTS_NAME.fullmatch(name) and name != keep:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(entry)
+
+
+def _warn(message: str) -> None:
+    print(f"draftflow.train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _read_best(layout: RunLayout) -> Best | None:
+    """best.json and the weights it names; None, with a warning, when it is torn or they are missing."""
     fs, path = url_to_fs(layout.best_record)
     if not fs.exists(path):
         return None
-    data = json.loads(fs.cat_file(path))
-    return Best(int(data["step"]), float(data["val_tau"]), data["weights"])
+    try:
+        data = json.loads(fs.cat_file(path))
+        best = Best(int(data["step"]), float(data["val_tau"]), str(data["weights"]))
+    except (ValueError, KeyError, TypeError) as err:
+        _warn(f"{layout.best_record} is unreadable ({err}); it is not used")
+        return None
+    if not _weights_exist(best.weights):
+        _warn(f"{layout.best_record} names {best.weights}, which is missing; it is not used")
+        return None
+    return best
+
+
+def _weights_exist(url: str) -> bool:
+    fs, path = url_to_fs(url)
+    return fs.exists(path)
+
+
+def _best_from_records(layout: RunLayout, records: list[dict]) -> Best | None:
+    """The newest best step the metrics name whose weights are still in RUN/best/."""
+    for record in reversed(records):
+        if "best_step" in record:
+            step = int(record["best_step"])
+            best = Best(step, float(record["best_val_tau"]), layout.best_weights(step))
+            return best if _weights_exist(best.weights) else None
+    return None
 
 
 def load_best(layout: RunLayout, model: torch.nn.Module) -> Best | None:
-    """Copy the best validation step's trainable weights into ``model``; None if there is none."""
+    """Copy the best validation step's trainable weights into ``model``; None if there is none usable
+    (the caller then keeps the last step's weights; the reason is on stderr)."""
     best = _read_best(layout)
     if best is None:
         return None
-    with open_url(best.weights, "rb") as f:
-        weights = load_safetensors(f.read())
+    try:
+        with open_url(best.weights, "rb") as f:
+            weights = load_safetensors(f.read())
+    except (OSError, SafetensorError) as err:
+        _warn(f"the best weights {best.weights} cannot be read ({err}); they are not used")
+        return None
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():
@@ -270,9 +344,10 @@ class _Board:
             fs, path = url_to_fs(self.url)
             fs.put(self._tmp.name + "/", path, recursive=True)
 
-    def close(self) -> None:
+    def close(self, upload: bool = True) -> None:
         if self.writer is not None:
-            self.flush()
+            if upload:
+                self.flush()
             self.writer.close()
             self.writer = None
         if self._tmp is not None:

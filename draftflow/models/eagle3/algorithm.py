@@ -31,6 +31,7 @@ class Eagle3(DrafterAlgorithm):
     ) -> Eagle3:
         spec = recipe.drafter
         model = Eagle3Drafter.from_target(target_model, num_aux_layers=num_context_layers, vocab=vocab)
+        model.checkpoint_steps = spec.activation_checkpointing
         return cls(
             model,
             speculative_tokens=spec.speculative_tokens,

@@ -18,6 +18,12 @@ Training-time test (:meth:`Eagle3Drafter.forward_ttt`) unrolls ``steps`` of 4. i
 over all positions, step k reading token i+1+k and attending per ``attention.py``; the loss
 of step k is weighted ``decay**k``. Trainable: fc and the layer, norm, lm_head (unless
 frozen). Frozen: embed_tokens (the target's).
+
+Activation checkpointing (``checkpoint_steps``, the recipe's ``drafter.activation_checkpointing``):
+each TTT step's layer pass, and separately its head and loss, are recomputed in the backward
+pass. What a step then keeps until backward is what later steps read: its output and its
+key/value, (H + 2·kv) values per token instead of the layer's, the attention's and the
+head's activations (the vocabulary-wide logits among them).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from draftflow.models.common import PackedBatch, RMSNorm, RotaryEmbedding, SwiGLU, attention_scale, shift_left
 from draftflow.models.eagle3.attention import ttt_attention
@@ -109,6 +116,7 @@ class Eagle3Drafter(nn.Module):
         if (vocab.draft_vocab_size, vocab.target_vocab_size) != (cfg.draft_vocab_size, cfg.vocab_size):
             raise ValueError("draft vocab does not match the config's (draft_)vocab_size")
         self.attn_impl = "auto"  # "dense" | "flex" | "auto" (flex on accelerators)
+        self.checkpoint_steps = False  # recompute each TTT step in backward (module docstring)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -211,13 +219,51 @@ class Eagle3Drafter(nn.Module):
         if rows is not None:
             lo, hi = lo[:, rows], hi[:, rows]
         hidden, cache, outs = self.combine_hidden_states(aux_hidden), {}, []
+        recompute = self.checkpoint_steps and torch.is_grad_enabled()
         for k in range(steps):
             tokens, pos = shift_left(input_ids, 1 + k), position_ids + k
             if rows is not None and k > 0:  # the chain from step 1 on lives on `rows` only
                 tokens, pos = tokens[:, rows], pos[:, rows]
-            hidden = self.step(tokens, hidden, pos, cache, lo, hi, rows if k == 0 else None)
+            step_rows = rows if k == 0 else None
+            if recompute:
+                hidden = self._recomputed_step(tokens, hidden, pos, cache, lo, hi, step_rows)
+            else:
+                hidden = self.step(tokens, hidden, pos, cache, lo, hi, step_rows)
             outs.append(hidden)
         return outs
+
+    def _recomputed_step(self, tokens, hidden, pos, cache, lo, hi, rows) -> Tensor:
+        """:meth:`step` under activation checkpointing. The step's inputs, earlier steps' keys
+        included, are explicit tensors so that backward can replay it; its own key/value come
+        out as outputs and are added to ``cache`` here, not inside the replayed function."""
+        earlier = (cache["k0"], cache["v0"], *cache["k"], *cache["v"]) if cache else ()
+        out, key, value = checkpoint(
+            self._step_from_tensors, tokens, hidden, pos, lo, hi, rows, *earlier, use_reentrant=False
+        )
+        if not cache:
+            cache.update(k0=key, v0=value, k=[], v=[])
+        else:
+            cache["k"].append(key)
+            cache["v"].append(value)
+        return out
+
+    def _step_from_tensors(
+        self, tokens, hidden, pos, lo, hi, rows, *earlier
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(output, this step's key, value); ``earlier`` = (k0, v0, k1..kn, v1..vn) or empty at step 0."""
+        n = (len(earlier) - 2) // 2
+        cache = {}
+        if earlier:
+            cache = {
+                "k0": earlier[0],
+                "v0": earlier[1],
+                "k": list(earlier[2 : 2 + n]),
+                "v": list(earlier[2 + n :]),
+            }
+        out = self.step(tokens, hidden, pos, cache, lo, hi, rows)
+        if not earlier:
+            return out, cache["k0"], cache["v0"]
+        return out, cache["k"][-1], cache["v"][-1]
 
     @torch.no_grad()
     def propose(
@@ -277,6 +323,20 @@ def step_targets(input_ids: Tensor, loss_mask: Tensor, doc_end: Tensor, step: in
     return shift_left(input_ids, 2 + step), labelled
 
 
+def _token_loss(model: Eagle3Drafter, out: Tensor, picked: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean CE of the rows ``out[picked]`` to ``labels`` (draft ids, -1 = OOV), their argmax)."""
+    logits = model.compute_logits(out[picked])  # [M, Vd]
+    return weighted_mean(token_cross_entropy(logits, labels), (labels >= 0).float()), logits.argmax(-1)
+
+
+def _target_loss(
+    model: Eagle3Drafter, out: Tensor, picked: Tensor, probs: Tensor, index: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(mean soft CE of the rows ``out[picked]`` to the target's ``probs[index]``, their argmax)."""
+    weights = torch.ones(index.shape[0], dtype=torch.float32, device=index.device)
+    return head_soft_cross_entropy(model.norm(out[picked]), model.lm_head, probs, index, weights)
+
+
 def eagle3_loss(
     model: Eagle3Drafter,
     batch: PackedBatch,
@@ -308,27 +368,23 @@ def eagle3_loss(
         for k, (_, ok) in enumerate(steps_ok):
             needed[:, 1 + k :] |= ok[:, : max(0, t - 1 - k)]
         probs, rows = target_probs(target_head, batch.last_hidden, idx, needed)
+    if loss not in ("tokens", "target_logits"):
+        raise ValueError(f"unknown loss {loss!r}")
+    recompute = model.checkpoint_steps and torch.is_grad_enabled()
     preds, labels, labelled = [], [], []
     for k, (out, (lab, ok)) in enumerate(zip(outs, steps_ok)):
-        # [M, H]: labelled indices only (the rest weigh 0); every labelled index is in `chain`
-        selected = out[ok if chain is None else ok[:, chain]]
         lab = model.vocab.to_draft(lab)
+        # the rows of `out` with a label (the rest weigh 0); every labelled index is in `chain`
+        picked = ok if chain is None else ok[:, chain]
         if loss == "tokens":
-            logits = model.compute_logits(selected)  # [M, Vd]
-            lab_ce = lab[ok]
-            value = weighted_mean(token_cross_entropy(logits, lab_ce), (lab_ce >= 0).float())
-            argmax = logits.argmax(-1)
-        elif loss == "target_logits":
-            at = torch.cat([rows[:, 1 + k :], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
-            value, argmax = head_soft_cross_entropy(
-                model.norm(selected),
-                model.lm_head,
-                probs,
-                at[:, : rows.shape[1]][ok],
-                ok.new_ones(int(ok.sum()), dtype=torch.float32),
-            )
+            head_loss, args = _token_loss, (lab[ok],)
         else:
-            raise ValueError(f"unknown loss {loss!r}")
+            at = torch.cat([rows[:, 1 + k :], rows[:, -1:].expand(-1, min(1 + k, rows.shape[1]))], 1)
+            head_loss, args = _target_loss, (probs, at[:, : rows.shape[1]][ok])
+        if recompute:  # the [M, vocabulary] logits are not kept for backward either
+            value, argmax = checkpoint(head_loss, model, out, picked, *args, use_reentrant=False)
+        else:
+            value, argmax = head_loss(model, out, picked, *args)
         total = total + ttt_weight(decay, k) * value
         pred = torch.full_like(lab, -1)
         pred[ok] = argmax  # unlabelled indices never count as hits
