@@ -57,7 +57,7 @@ class Plan:
         if errors:
             raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
         layer_ids = tuple(checked.layer_ids)
-        fp = fingerprint(r, list(layer_ids))
+        fp = fingerprint(r, list(layer_ids), storage_options)
         return cls(
             recipe_path=path,
             overrides=tuple(overrides),

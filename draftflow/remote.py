@@ -65,10 +65,7 @@ def local_copy(url: str | Path, storage_options: dict | None = None, local_home:
         local_home = str(default_home())
     fs, root = url_to_fs(url, storage_options)
     root = root.rstrip("/")
-    listing = {
-        path[len(root) + 1 :]: [info.get("size"), str(info.get("ETag") or info.get("mtime") or "")]
-        for path, info in fs.find(root, detail=True).items()
-    }
+    listing = _listing(fs, root, url)
     if not listing:
         raise FileNotFoundError(f"{url}: no files there")
     dest, stamp = Path(remote_copy(url, local_home)), Path(remote_copy_stamp(url, local_home))
@@ -88,6 +85,27 @@ def local_copy(url: str | Path, storage_options: dict | None = None, local_home:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _listing(fs: fsspec.AbstractFileSystem, root: str, url: str) -> dict[str, list]:
+    """Relative key -> [size, ETag or mtime] of every file under ``root``; ValueError, before
+    anything is written, for a key that would land outside the copy.
+
+    Object stores keep keys verbatim, so ``export/../../x`` or ``export//etc/x`` are legal keys
+    there; joined to a local folder they would write outside it.
+    """
+    listing = {}
+    for path, info in fs.find(root, detail=True).items():
+        key = path[len(root) + 1 :]
+        if key.endswith("/") and not info.get("size"):
+            continue  # a folder marker some S3 tools write: no file to copy
+        if not key or any(part in ("", ".", "..") for part in key.split("/")):
+            raise ValueError(
+                f"{url}: refusing to copy key {key!r}: it points outside the folder (an absolute "
+                "path, an empty, '.' or '..' segment); nothing was copied"
+            )
+        listing[key] = [info.get("size"), str(info.get("ETag") or info.get("mtime") or "")]
+    return listing
 
 
 def put_folder(local: str | Path, url: str, storage_options: dict | None = None) -> None:

@@ -150,11 +150,14 @@ def _keyed(
 
 
 def select_conversations(
-    data: DataSection, generated: dict[int, GenerationResult] | None = None
+    data: DataSection,
+    generated: dict[int, GenerationResult] | None = None,
+    storage_options: dict | None = None,
 ) -> tuple[list[Candidate], dict[str, dict]]:
     """Read, dedupe, cap per source and in total, split; returns candidates and per-source stats.
 
-    ``generated`` holds the conversations of the self-generated sources, by source index.
+    ``generated`` holds the conversations of the self-generated sources, by source index;
+    ``storage_options`` are the store's, used for sources on an object store.
     """
     seen: set[str] = set()
     pool: list[tuple[str, Candidate]] = []
@@ -172,7 +175,7 @@ def select_conversations(
             dropped.update(generated[index].dropped)
             conversations: Iterator[Conversation] = iter(generated[index].conversations)
         else:
-            conversations = read_source(source, dropped)
+            conversations = read_source(source, dropped, storage_options)
         items = _keyed(conversations, label, data.seed, seen, dropped, usable)
         if source.max_samples:
             # nsmallest streams the source, holding at most max_samples conversations in memory.
@@ -245,7 +248,7 @@ async def aprepare(
         raise ValueError("data.regenerate_responses is set but no generate function was given")
 
     generated = await _self_generate(data, layout, encoder, sample, generate, local_home)
-    candidates, source_stats = await asyncio.to_thread(select_conversations, data, generated)
+    candidates, source_stats = await asyncio.to_thread(select_conversations, data, generated, storage_options)
     outcomes: list[tuple[Conversation | None, str | None]] = [(c.messages, None) for c in candidates]
     regenerate_errors: list[str] = []
     # Self-generated replies are the target's already: regenerating them would only repeat them.

@@ -10,6 +10,10 @@ Bad input is never fatal: every conversation that is skipped adds one to a reaso
 
 The pip-shipped corpora (chitchat, chatterbot) are located with ``importlib.util.find_spec``
 and read as files; importing those packages would run their code for nothing.
+
+A source on an object store (``s3://…``) is read with the store's storage options (the
+``storage_options`` argument; None: ``$DRAFTFLOW_STORAGE_OPTIONS``), like every other remote
+folder of a run (:mod:`draftflow.remote`): its credentials need not be in the environment.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import yaml
 from draftflow.paths import join
 from draftflow.recipe.load import expand
 from draftflow.recipe.schema import DataSource
+from draftflow.remote import url_to_fs
 
 Message = dict[str, str]
 Conversation = list[Message]
@@ -189,9 +194,9 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _json_files(url: str) -> list[tuple[fsspec.AbstractFileSystem, str]]:
+def _json_files(url: str, storage_options: dict | None) -> list[tuple[fsspec.AbstractFileSystem, str]]:
     """The file at ``url``, or every *.json / *.jsonl file under the folder at ``url`` (sorted)."""
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = url_to_fs(url, storage_options)
     if fs.isdir(path):
         found = sorted(p for p in fs.find(path) if p.endswith((".json", ".jsonl")))
         return [(fs, p) for p in found]
@@ -200,22 +205,22 @@ def _json_files(url: str) -> list[tuple[fsspec.AbstractFileSystem, str]]:
     return [(fs, path)]
 
 
-def _iter_json_records(url: str, dropped: Counter) -> Iterator[Any]:
-    for fs, path in _json_files(url):
+def _iter_json_records(url: str, dropped: Counter, storage_options: dict | None) -> Iterator[Any]:
+    for fs, path in _json_files(url, storage_options):
         with fs.open(path, "rb") as f:
             text = f.read().decode("utf-8", errors="replace")
         yield from iter_json_values(text, dropped)
 
 
-def read_sharegpt(url: str, dropped: Counter) -> Iterator[Conversation]:
+def read_sharegpt(url: str, dropped: Counter, storage_options: dict | None = None) -> Iterator[Conversation]:
     """ShareGPT JSON/JSONL: records with ``conversations`` of ``{"from", "value"}`` turns."""
-    records = _iter_json_records(url, dropped)
+    records = _iter_json_records(url, dropped, storage_options)
     yield from _normalised((_turns_of_record(r, ("conversations", "messages")) for r in records), dropped)
 
 
-def read_messages(url: str, dropped: Counter) -> Iterator[Conversation]:
+def read_messages(url: str, dropped: Counter, storage_options: dict | None = None) -> Iterator[Conversation]:
     """OpenAI-style JSON/JSONL: records with ``messages`` of ``{"role", "content"}`` turns."""
-    records = _iter_json_records(url, dropped)
+    records = _iter_json_records(url, dropped, storage_options)
     yield from _normalised((_turns_of_record(r, ("messages", "conversations")) for r in records), dropped)
 
 
@@ -260,9 +265,9 @@ def _iter_arrow_rows(fs: fsspec.AbstractFileSystem, path: str, columns: list[str
         yield from batch.select(present).to_pylist()
 
 
-def read_hf_disk(url: str, dropped: Counter) -> Iterator[Conversation]:
+def read_hf_disk(url: str, dropped: Counter, storage_options: dict | None = None) -> Iterator[Conversation]:
     """A ``datasets.save_to_disk`` folder with a ``messages`` or ``conversations`` column."""
-    fs, folder = fsspec.core.url_to_fs(url)
+    fs, folder = url_to_fs(url, storage_options)
     if not fs.isdir(folder):
         raise FileNotFoundError(f"hf_disk source {url} is not a folder")
     files = _arrow_files(fs, folder)
@@ -354,14 +359,18 @@ def read_chatterbot(dropped: Counter) -> Iterator[Conversation]:
 # ---------------------------------------------------------------------------------------
 
 
-def read_source(source: DataSource, dropped: Counter) -> Iterator[Conversation]:
-    """Every usable conversation of one recipe source, in source order; skips counted in ``dropped``."""
+def read_source(
+    source: DataSource, dropped: Counter, storage_options: dict | None = None
+) -> Iterator[Conversation]:
+    """Every usable conversation of one recipe source, in source order; skips counted in ``dropped``.
+
+    ``storage_options``: the store's fsspec options, used for a source on an object store."""
     if source.kind == "sharegpt":
-        return read_sharegpt(expand(source.path), dropped)
+        return read_sharegpt(expand(source.path), dropped, storage_options)
     if source.kind == "messages":
-        return read_messages(expand(source.path), dropped)
+        return read_messages(expand(source.path), dropped, storage_options)
     if source.kind == "hf_disk":
-        return read_hf_disk(expand(source.path), dropped)
+        return read_hf_disk(expand(source.path), dropped, storage_options)
     if source.kind == "chitchat":
         return read_chitchat(dropped)
     if source.kind == "chatterbot":
@@ -373,10 +382,12 @@ def read_source(source: DataSource, dropped: Counter) -> Iterator[Conversation]:
     raise ValueError(f"unknown data source kind {source.kind!r}")
 
 
-def load_source(source: DataSource) -> tuple[list[Conversation], Counter]:
+def load_source(
+    source: DataSource, storage_options: dict | None = None
+) -> tuple[list[Conversation], Counter]:
     """All conversations of a source and the counts of what was dropped (convenience for tests/CLI)."""
     dropped: Counter = Counter()
-    return list(read_source(source, dropped)), dropped
+    return list(read_source(source, dropped, storage_options)), dropped
 
 
 def source_label(index: int, source: DataSource) -> str:

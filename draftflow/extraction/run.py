@@ -7,7 +7,6 @@ import itertools
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 
 from draftflow.async_run import run_coroutine
@@ -26,6 +25,7 @@ from draftflow.extraction.shards import (
     extract_shard,
     make_client,
     staging_folders,
+    sweep_staging,
 )
 from draftflow.plan import Plan
 from draftflow.recipe.fingerprint import fingerprint_inputs
@@ -33,14 +33,12 @@ from draftflow.recipe.schema import DataSection, Recipe, VLLMLaunchSection
 from draftflow.store import PlannedShard, Store, reconcile
 from draftflow.store.fp8 import server_dtype
 from draftflow.vllm.client import VLLMClient
-from draftflow.vllm.hidden_states_file import sweep_stale
 from draftflow.vllm.plain_server import ensure_plain_running
 from draftflow.vllm.server import ServerHandle, ensure_running, with_restarts
 
 log = logging.getLogger(__name__)
 
 _RECIPE = object()  # run_extraction(launch=...) default: take the recipe's vllm.launch
-_STALE_STAGING_S = 600.0
 
 
 def run_extraction(
@@ -84,6 +82,7 @@ def run_extraction(
         dtype=server_dtype(recipe.extraction.dtype),
         log_dir=log_dir,
         staging_dirs=staging_folders(plan),
+        min_model_len=recipe.data.max_length + 1,
     )
     with handle:
         summary = run_coroutine(
@@ -113,9 +112,7 @@ async def _extract_missing(
 ) -> ExtractionSummary:
     # Files of clients killed mid-request (never read, never deleted) go first, not only after
     # a run that succeeds; only files far older than any request are touched.
-    early = await asyncio.to_thread(
-        _sweep_staging, staging_folders(plan), plan.recipe.extraction.request_timeout_s
-    )
+    early = await asyncio.to_thread(sweep_staging, plan)
     if not await asyncio.to_thread(is_prepared, store.layout, store.storage_options):
         tracker.stage("prepare", f"preparing data in {store.layout.prepared_dir}")
         await _prepare(plan, store, endpoints, api_key)
@@ -159,9 +156,7 @@ async def _extract_missing(
             except* Exception as errors:  # committed shards stay; a rerun does the rest
                 raise errors.exceptions[0] from None
             results = [t.result() for t in tasks]
-            swept = await asyncio.to_thread(
-                _sweep_staging, client.staging_dirs, plan.recipe.extraction.request_timeout_s
-            )
+            swept = await asyncio.to_thread(sweep_staging, plan, client.staging_dirs)
     swept += early
     tracker.stage("done", "extraction finished" + (f"; removed {swept} stale staging files" if swept else ""))
     return tracker.summary(store.layout.root, results, version)
@@ -206,6 +201,8 @@ def prepare_data(
             launch=launch,
             dtype=generation_dtype(plan.recipe),
             log_dir=log_dir,
+            staging_dirs=staging_folders(plan),
+            min_model_len=plan.recipe.data.max_length + 1,
         ) as handle:
             run_coroutine(_prepare(plan, store, handle.endpoints, api_key))
     else:
@@ -262,19 +259,12 @@ def _write_fingerprint(plan: Plan, store: Store) -> None:
     if fs.exists(path):
         return
     blob = json.dumps(
-        {"fingerprint": plan.fingerprint, "inputs": fingerprint_inputs(plan.recipe, list(plan.layer_ids))},
+        {
+            "fingerprint": plan.fingerprint,
+            "inputs": fingerprint_inputs(plan.recipe, list(plan.layer_ids), store.storage_options),
+        },
         indent=2,
         sort_keys=True,
         default=str,
     ).encode()
     store.write_atomic(store.layout.fingerprint_file, lambda f: f.write(blob))
-
-
-def _sweep_staging(staging_dirs: Sequence[str], request_timeout_s: float) -> int:
-    """Remove staging files that killed runs left (their clients never read them). Only files
-    far older than any request can be are touched, and only in the configured staging folders
-    (never in one a server's answer named)."""
-    older_than_s = max(_STALE_STAGING_S, 2 * request_timeout_s)
-    return sum(
-        sweep_stale(folder, older_than_s) for folder in sorted(set(staging_dirs)) if os.path.isdir(folder)
-    )

@@ -17,6 +17,10 @@ Each expected sample is exactly one of:
 A shard is complete only when all its samples are present. Every other shard is planned
 for regeneration as a whole (shards are immutable) with ``attempt`` one above the attempt
 that currently wins for its id, so the new commit supersedes the incomplete one.
+
+So one data folder holds one ``S``: shards cut with another would supersede each other's
+commits and lose samples. ``S`` is in the recipe fingerprint, which names the folder;
+:func:`cut_with` tells whether a folder's shards are cut with a given ``S``.
 """
 
 from __future__ import annotations
@@ -150,6 +154,23 @@ def reconcile(
         tuple(complete),
         tuple(plans),
     )
+
+
+def cut_with(manifest: pa.Table, expected_ids: Sequence[str], samples_per_shard: int) -> bool:
+    """Whether every shard the (resolved) manifest lists holds exactly the samples at its positions
+    ``[k*S, (k+1)*S)`` of ``expected_ids`` (failed ones included), ``S = samples_per_shard``."""
+    held: dict[str, set[str]] = {}
+    for shard_id, sample_id in zip(
+        manifest["shard_id"].to_pylist(), manifest["sample_id"].to_pylist(), strict=True
+    ):
+        held.setdefault(shard_id, set()).add(sample_id)
+    for shard_id, ids in held.items():
+        if not (shard_id.isdigit() and paths.shard_id(int(shard_id)) == shard_id):
+            return False
+        start = int(shard_id) * samples_per_shard
+        if ids != set(expected_ids[start : start + samples_per_shard]):
+            return False
+    return True
 
 
 def _bad_shards(store: Store, manifest: pa.Table, verify: bool | Literal["cached"]) -> dict[str, str]:

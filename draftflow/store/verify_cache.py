@@ -3,9 +3,15 @@
 Planning (``plan-shards`` in the Prefect flow, the extraction CLI) must see a same-size bit
 flip, which only a hash shows, yet re-hashing a whole store on every run costs a full read.
 So each shard object is hashed once, and the result is remembered under the object's
-identity as a listing shows it: URL, size, modification time (local mtime, S3's
-LastModified, which any rewrite changes) and the manifest's sha256. A later plan re-hashes
-only objects whose identity changed or that were never verified: once per shard per change.
+identity as a listing shows it: URL, size, the manifest's sha256 and a change token that no
+rewrite can keep. A later plan re-hashes only objects whose identity changed or that were
+never verified: once per shard per change.
+
+The change token is never the modification time, which anyone can set back (``touch -d``,
+``os.utime``, a copy that preserves times). On object stores it is the content hash the
+listing carries (S3's ETag, GCS's md5/crc32c). On a local disk it is the inode and the
+status-change time (ctime): every write and every ``utime`` moves ctime to now, and no call
+sets it back. A backend that offers neither is hashed every time.
 
 The record lives on this host (``$DRAFTFLOW_HOME/cache/verified-shards/``), one file per
 store, never in the store itself: a reader must not trust a verdict another host wrote.
@@ -19,7 +25,9 @@ import os
 import threading
 from pathlib import Path
 
+import fsspec
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
 
 from draftflow import paths
 from draftflow.recipe.load import default_home
@@ -34,8 +42,45 @@ def _record_path(store: Store) -> Path:
     return default_home() / "cache" / "verified-shards" / f"{digest}.json"
 
 
-def _identity(url: str, size: int, mtime: float, sha256: str) -> str:
-    return hashlib.sha256(f"{url}\0{size}\0{mtime!r}\0{sha256}".encode()).hexdigest()
+# Content hashes object stores list with each object, in order of preference.
+_CONTENT_TAGS = ("ETag", "etag", "md5Hash", "crc32c", "md5")
+
+
+def _identity(url: str, size: int, change: str, sha256: str) -> str:
+    return hashlib.sha256(f"{url}\0{size}\0{change}\0{sha256}".encode()).hexdigest()
+
+
+def _change_token(fs: fsspec.AbstractFileSystem, info: dict) -> str | None:
+    """What changes whenever the object's bytes can have changed (see module docstring), or None."""
+    if isinstance(fs, LocalFileSystem):
+        try:
+            st = os.stat(info["name"])
+        except FileNotFoundError:
+            return None
+        return f"local:{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}:{st.st_mtime_ns}"
+    for key in _CONTENT_TAGS:
+        if info.get(key):
+            return f"{key}:{info[key]}"
+    return None
+
+
+def _listed_shards(store: Store) -> dict[str, tuple[int, str | None]]:
+    """URL -> (size, change token) of every shard object, from one listing of the shards folder."""
+    fs, path = store.fs(store.layout.shards_dir)
+    fs.invalidate_cache(path)  # other writers' commits must show, as in Store.list
+    try:
+        infos = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for info in infos:
+        name = info["name"].rstrip("/").rpartition("/")[2]
+        if info.get("type") == "file" and name.endswith(paths.SHARD_SUFFIX) and not paths.is_temp_name(name):
+            out[paths.join(store.layout.shards_dir, name)] = (
+                int(info.get("size") or 0),
+                _change_token(fs, info),
+            )
+    return out
 
 
 def _load(path: Path) -> set[str]:
@@ -55,7 +100,7 @@ def _save(path: Path, known: set[str]) -> None:
 def bad_shards(store: Store, manifest: pa.Table) -> dict[str, str]:
     """shard_id -> problem for listed shards that are missing, of the wrong size or corrupt,
     hashing only objects not verified before in their current form (see module docstring)."""
-    listed = {e.url: e for e in store.list(store.layout.shards_dir, paths.SHARD_SUFFIX)}
+    listed = _listed_shards(store)
     shards = (
         manifest.select(["shard_id", "shard_uri", "shard_sha256", "shard_bytes"])
         .group_by(["shard_id", "shard_uri", "shard_sha256", "shard_bytes"])
@@ -66,16 +111,18 @@ def bad_shards(store: Store, manifest: pa.Table) -> dict[str, str]:
     with _lock:
         known = _load(record)
     bad: dict[str, str] = {}
-    to_hash: dict[str, str] = {}  # shard_id -> identity once verified
+    to_hash: dict[str, str | None] = {}  # shard_id -> identity to remember once verified
     for shard in shards:
         url = store.layout.resolve_shard_key(shard["shard_uri"])
-        entry = listed.get(url)
-        if entry is None:
+        size, change = listed.get(url, (None, None))
+        if size is None:
             bad[shard["shard_id"]] = "shard object missing"
-        elif entry.size != shard["shard_bytes"]:
-            bad[shard["shard_id"]] = f"size {entry.size} != manifest {shard['shard_bytes']}"
+        elif size != shard["shard_bytes"]:
+            bad[shard["shard_id"]] = f"size {size} != manifest {shard['shard_bytes']}"
+        elif change is None:
+            to_hash[shard["shard_id"]] = None  # nothing would show the next change: never remembered
         else:
-            identity = _identity(url, entry.size, entry.modified, shard["shard_sha256"])
+            identity = _identity(url, size, change, shard["shard_sha256"])
             if identity not in known:
                 to_hash[shard["shard_id"]] = identity
     if to_hash:
@@ -85,6 +132,7 @@ def bad_shards(store: Store, manifest: pa.Table) -> dict[str, str]:
         report = verify_shards(store, subset)
         bad.update({b.shard_id: b.reason for b in report.bad})
         with _lock:
-            known = _load(record) | {identity for sid, identity in to_hash.items() if sid not in bad}
+            passed = {identity for sid, identity in to_hash.items() if identity and sid not in bad}
+            known = _load(record) | passed
             _save(record, known)
     return bad
