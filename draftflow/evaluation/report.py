@@ -274,15 +274,13 @@ def acceptance_chart(
     reports: list[AcceptanceReport], path: Path, evaluation: Evaluation | None = None
 ) -> Path:
     """Per-position acceptance; with prompt categories, a second panel of τ per category."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: drawn in task threads (see train/curves.py)
     from matplotlib.ticker import MaxNLocator
 
     with_categories = evaluation is not None and bool(evaluation_categories(evaluation))
     panels, width_in = (2, 11) if with_categories else (1, 6)
-    fig, axes = plt.subplots(1, panels, figsize=(width_in, 3.5), dpi=100)
+    fig = Figure(figsize=(width_in, 3.5), dpi=100)
+    axes = fig.subplots(1, panels)
     ax = axes[0] if with_categories else axes
     if with_categories:
         draw_categories(axes[1], evaluation)
@@ -301,5 +299,4 @@ def acceptance_chart(
         ax.text(0.5, 0.5, "not evaluated", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path

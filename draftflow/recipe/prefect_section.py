@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from draftflow.recipe.section import Section
+from draftflow.recipe.section import MAX_PARALLEL, Section
 
 LOCAL_DASK_WORKERS = 2
 
@@ -32,6 +32,7 @@ class PrefectSection(Section):
     workers: int | None = Field(
         None,
         ge=1,
+        le=MAX_PARALLEL,
         description="task_runner dask without an address: worker processes of the local cluster; "
         f"None: {LOCAL_DASK_WORKERS}.",
     )
@@ -39,8 +40,11 @@ class PrefectSection(Section):
     @field_validator("address")
     @classmethod
     def _scheduler_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"(tcp|tls)://[^\s/:]+:\d{1,5}", value):
-            raise ValueError(f"{value!r} is not a scheduler address of the form tcp://HOST:PORT")
+        match = re.fullmatch(r"(tcp|tls)://[^\s/:]+:(\d{1,5})", value) if value is not None else None
+        if value is not None and (match is None or not 1 <= int(match.group(2)) <= 65535):
+            raise ValueError(
+                f"{value!r} is not a scheduler address of the form tcp://HOST:PORT (port 1..65535)"
+            )
         return value
 
     @model_validator(mode="after")

@@ -1,7 +1,8 @@
 """The recipe schema: every field a recipe may set, with its default and its meaning.
 
 This module is the only place defaults live (with the sections it imports: the `prefect`
-section in :mod:`draftflow.recipe.prefect_section`). YAML files set what differs from here; code
+section in :mod:`draftflow.recipe.prefect_section`, the `vllm` section in
+:mod:`draftflow.recipe.vllm_section`). YAML files set what differs from here; code
 reads the validated object and never calls ``.get(key, default)`` on raw dicts.
 
 Checks that need nothing but the recipe run when the object is built (pydantic validators).
@@ -14,11 +15,19 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, FiniteFloat, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from draftflow.recipe.prefect_section import PrefectSection
-from draftflow.recipe.section import Section
+from draftflow.recipe.section import (  # noqa: F401  (the bounds are re-exported)
+    MAX_COUNT,
+    MAX_PARALLEL,
+    MAX_SECONDS,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    Section,
+)
+from draftflow.recipe.vllm_section import VLLMLaunchSection, VLLMSection  # noqa: F401  (re-exported)
 
 ComputeDtype = Literal["bfloat16", "float16", "float32"]  # what a vLLM server computes in
 Dtype = Literal[ComputeDtype, "float8_e4m3", "float8_e5m2"]  # what a store may hold
@@ -45,7 +54,7 @@ Topic = Literal["chat", "coding", "math", "writing", "advice", "trivia", "summar
 class SelfGeneratedSection(Section):
     """How the target writes its own user turns (``kind: self_generated``)."""
 
-    num_prompts: int = Field(64, ge=1, description="Conversations to keep after cleaning.")
+    num_prompts: int = Field(64, ge=1, le=MAX_COUNT, description="Conversations to keep after cleaning.")
     topics: list[Topic] = Field(
         default_factory=list,
         description="Topic seeds, used round-robin (a short instruction in the system prompt) to "
@@ -57,13 +66,18 @@ class SelfGeneratedSection(Section):
         "seed's instruction appended); not kept in the data. None: the template's own default.",
     )
     turns: int = Field(1, ge=1, le=8, description="User turns per conversation; later ones are follow-ups.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of user turns.")
-    top_p: float = Field(0.95, gt=0, le=1)
-    max_tokens: int = Field(96, ge=4, description="Tokens per user turn; a turn that hits it is dropped.")
-    max_attempts_ratio: float = Field(
-        3.0, ge=1, description="Give up after num_prompts * this many attempts (an error if none was kept)."
+    temperature: FiniteFloat = Field(1.0, gt=0, le=100, description="Sampling temperature of user turns.")
+    top_p: FiniteFloat = Field(0.95, gt=0, le=1)
+    max_tokens: int = Field(
+        96, ge=4, le=MAX_TOKENS, description="Tokens per user turn; a turn that hits it is dropped."
     )
-    near_duplicate_threshold: float = Field(
+    max_attempts_ratio: FiniteFloat = Field(
+        3.0,
+        ge=1,
+        le=1000,
+        description="Give up after num_prompts * this many attempts (an error if none was kept).",
+    )
+    near_duplicate_threshold: FiniteFloat = Field(
         0.7,
         gt=0,
         le=1,
@@ -81,7 +95,9 @@ class DataSource(Section):
         "self_generated: the target writes the user turns through vLLM (see `self_generated`)."
     )
     path: str | None = Field(None, description="File or folder; required for sharegpt, messages, hf_disk.")
-    max_samples: int | None = Field(None, ge=1, description="Take at most this many conversations.")
+    max_samples: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Take at most this many conversations."
+    )
     self_generated: SelfGeneratedSection | None = Field(
         None, description="Settings of a `self_generated` source (default settings when omitted)."
     )
@@ -106,17 +122,19 @@ class DataSection(Section):
     """Which conversations become training and evaluation samples."""
 
     sources: list[DataSource] = Field(min_length=1)
-    num_samples: int | None = Field(None, ge=1, description="Total cap after mixing sources.")
-    eval_samples: int = Field(16, ge=0, description="Held-out samples for acceptance evaluation.")
+    num_samples: int | None = Field(None, ge=1, le=MAX_COUNT, description="Total cap after mixing sources.")
+    eval_samples: int = Field(
+        16, ge=0, le=MAX_COUNT, description="Held-out samples for acceptance evaluation."
+    )
     seed: int = Field(0, description="Shuffle and split seed.")
     max_length: int = Field(
-        1023, ge=8, description="Tokens per sample; longer samples are truncated and counted."
+        1023, ge=8, le=MAX_TOKENS, description="Tokens per sample; longer samples are truncated and counted."
     )
     regenerate_responses: bool = Field(
         False, description="Regenerate assistant turns with the target through vLLM's chat endpoint."
     )
-    regenerate_max_tokens: int = Field(256, ge=1)
-    regenerate_concurrency: int = Field(8, ge=1)
+    regenerate_max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
+    regenerate_concurrency: int = Field(8, ge=1, le=MAX_PARALLEL)
     generation_dtype: ComputeDtype | None = Field(
         None,
         description="dtype of the plain server launched to write prompts and replies (default: the "
@@ -139,15 +157,15 @@ class ExtractionSection(Section):
         "bf16 scale per token and layer (about half the bytes of bfloat16), decoded when loaded.",
     )
     store: str = Field("./draftflow-store", description="fsspec URL of the shard store.")
-    samples_per_shard: int = Field(64, ge=1)
+    samples_per_shard: int = Field(64, ge=1, le=2**20)
     mode: Literal["offline", "online", "hybrid"] = Field(
         "offline",
         description="offline: every shard must exist before training; online: generated on "
         "demand and deleted after use; hybrid: existing shards reused, missing ones generated and kept.",
     )
-    concurrency: int = Field(4, ge=1, description="Requests in flight per vLLM endpoint.")
-    request_retries: int = Field(3, ge=0)
-    request_timeout_s: float = Field(120.0, gt=0)
+    concurrency: int = Field(4, ge=1, le=MAX_PARALLEL, description="Requests in flight per vLLM endpoint.")
+    request_retries: int = Field(3, ge=0, le=100)
+    request_timeout_s: FiniteFloat = Field(120.0, gt=0, le=MAX_SECONDS)
 
     @field_validator("dtype")
     @classmethod
@@ -162,75 +180,29 @@ class ExtractionSection(Section):
         return dtype
 
 
-class VLLMLaunchSection(Section):
-    """How to start a vLLM server when none answers at the endpoint."""
-
-    python: str = Field(
-        "${DRAFTFLOW_HOME}/vllm-venv/bin/python",
-        description="Python interpreter of the virtualenv that has vLLM installed.",
-    )
-    device: Literal["cpu", "cuda"] = "cuda"
-    max_model_len: int = Field(4096, ge=16)
-    staging_dir: str = Field(
-        "/dev/shm/draftflow-hidden-states",
-        description="Where vLLM writes hidden-state files; separate from the store.",
-    )
-    cpu_reserved_cores: int | None = Field(
-        None,
-        ge=0,
-        description="device cpu: cores kept free of vLLM's compute threads (VLLM_CPU_NUM_OF_RESERVED_CPU); "
-        "None: vLLM's own choice (one core). 0 lets a small host compute on every core.",
-    )
-    cpu_engine_start: Literal["fork", "spawn"] | None = Field(
-        "fork",
-        description="device cpu: how the API server starts vLLM's engine core (draftflow's vLLM plugin); "
-        "fork reuses the server's imports, a start ~9 s shorter; the worker always spawns. None: spawn.",
-    )
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    startup_timeout_s: float = Field(600.0, gt=0)
-
-
-class VLLMSection(Section):
-    """The vLLM server(s) used for extraction, regeneration and evaluation."""
-
-    endpoints: list[str] = Field(["http://127.0.0.1:8000"], min_length=1)
-    launch: VLLMLaunchSection | None = None
-    staging_dirs: list[str] = Field(
-        default_factory=list,
-        description="Folders the servers write hidden-state files to (seen from this host). draftflow "
-        "reads and deletes files only inside these and launch.staging_dir; a file a server names "
-        "anywhere else fails that sample and is left untouched.",
-    )
-
-    def staging_folders(self) -> list[str]:
-        """Every folder a server may name hidden-state files in (unexpanded): the listed ones,
-        plus the launch section's staging_dir, or its default when there is no launch section
-        (a server started by hand following the docs writes there)."""
-        launch_dir = (self.launch or VLLMLaunchSection()).staging_dir
-        return list(dict.fromkeys([*self.staging_dirs, launch_dir]))
-
-
 class DFlashSection(Section):
     """DFlash: a block-diffusion drafter that drafts up to `block_size - 1` tokens per forward pass."""
 
     kind: Literal["dflash"]
-    block_size: int = Field(8, ge=2)
+    block_size: int = Field(8, ge=2, le=1024)
     speculative_tokens: int | None = Field(
         None,
         ge=1,
+        le=1023,
         description="Tokens drafted per step when served, 1..block_size - 1 (None: block_size - 1). Each "
         "costs a verification slot (~10% of a CPU decode step): bench/quality.py --draft-lengths.",
     )
-    max_anchors: int = Field(512, ge=1, description="Blocks sampled per packed sequence.")
-    num_layers: int = Field(1, ge=1)
+    max_anchors: int = Field(512, ge=1, le=MAX_TOKENS, description="Blocks sampled per packed sequence.")
+    num_layers: int = Field(1, ge=1, le=256)
     draft_vocab_size: int | None = Field(
-        None, ge=1, description="Reduced output vocabulary; None keeps the target's."
+        None, ge=1, le=MAX_VOCAB, description="Reduced output vocabulary; None keeps the target's."
     )
-    loss_decay_gamma: float | None = Field(
-        None, gt=0, description="w_k = exp(-(k-1)/gamma); default 4 for B<=8, 7 above."
+    loss_decay_gamma: FiniteFloat | None = Field(
+        None, gt=0, le=1e6, description="w_k = exp(-(k-1)/gamma); default 4 for B<=8, 7 above."
     )
-    mask_token_id: int | None = Field(None, ge=0, description="Default: the tokenizer's mask or pad token.")
+    mask_token_id: int | None = Field(
+        None, ge=0, le=MAX_VOCAB, description="Default: the tokenizer's mask or pad token."
+    )
     context_layer_ids: list[int] | None = Field(
         None, description="Extracted layers the drafter reads; default: all but the last layer L."
     )
@@ -266,11 +238,16 @@ class Eagle3Section(Section):
 
     kind: Literal["eagle3"]
     ttt_steps: int = Field(3, ge=1, le=16, description="Unrolled steps during training.")
-    ttt_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of step k: decay**k.")
-    draft_vocab_size: int | None = Field(32000, ge=1)
-    speculative_tokens: int = Field(3, ge=1, description="Chain length when served.")
+    ttt_decay: FiniteFloat = Field(0.8, gt=0, le=1, description="Loss weight of step k: decay**k.")
+    draft_vocab_size: int | None = Field(32000, ge=1, le=MAX_VOCAB)
+    speculative_tokens: int = Field(3, ge=1, le=64, description="Chain length when served.")
     context_layer_ids: list[int] | None = Field(
         None, description="Extracted layers the drafter reads; default: all but the last layer L."
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each TTT step (layer, then head and loss) in backward: a step keeps only its "
+        "output and keys for backward, so long packs fit (tests/models/test_eagle3_step_checkpointing.py).",
     )
 
 
@@ -289,20 +266,21 @@ Drafter = _drafter_union()
 class TrainingSection(Section):
     """Optimisation and the torchrun launch."""
 
-    epochs: int = Field(1, ge=1)
-    lr: float = Field(3e-4, gt=0)
+    epochs: int = Field(1, ge=1, le=10_000)
+    lr: FiniteFloat = Field(3e-4, gt=0, le=10)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_ratio: float = Field(0.04, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    pack_length: int = Field(2048, ge=16, description="Tokens per packed training sequence.")
-    batch_size: int = Field(1, ge=1, description="Packed sequences per process per step.")
+    warmup_ratio: FiniteFloat = Field(0.04, ge=0, lt=1)
+    weight_decay: FiniteFloat = Field(0.0, ge=0, le=10)
+    grad_clip: FiniteFloat = Field(1.0, gt=0, le=1e6)
+    pack_length: int = Field(2048, ge=16, le=MAX_TOKENS, description="Tokens per packed training sequence.")
+    batch_size: int = Field(1, ge=1, le=MAX_PARALLEL, description="Packed sequences per process per step.")
     loss: Literal["tokens", "target_logits"] = Field(
         "tokens", description="Cross-entropy to the data's tokens or to the target's distribution."
     )
-    feature_noise: float = Field(
+    feature_noise: FiniteFloat = Field(
         0.0,
         ge=0,
+        le=100,
         description="Gaussian noise on the target hidden states the drafter reads in training steps (never "
         "in validation), as a fraction of each token's RMS per layer; 0 = none. A regulariser for small "
         "data sets: the drafter learns not to lean on details of the stored states.",
@@ -314,9 +292,14 @@ class TrainingSection(Section):
         "positions from the same data; with loss target_logits each one has the target's distribution "
         "as its label). Validation always counts the assistant's tokens.",
     )
-    nproc: int = Field(1, ge=1, description="Processes per node (torchrun --nproc-per-node).")
+    nproc: int = Field(
+        1, ge=1, le=MAX_PARALLEL, description="Processes per node (torchrun --nproc-per-node)."
+    )
     nnodes: int = Field(
-        1, ge=1, description="Machines; each runs `draftflow train RECIPE --node-rank K` (K = 0..nnodes-1)."
+        1,
+        ge=1,
+        le=MAX_PARALLEL,
+        description="Machines; each runs `draftflow train RECIPE --node-rank K` (K = 0..nnodes-1).",
     )
     rdzv_endpoint: str | None = Field(
         None,
@@ -325,25 +308,31 @@ class TrainingSection(Section):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
-    log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(0, ge=0, description="Steps; 0 = only at each epoch end.")
-    validation_fraction: float = Field(
+    log_every: int = Field(10, ge=1, le=MAX_COUNT)
+    checkpoint_every: int = Field(0, ge=0, le=MAX_COUNT, description="Steps; 0 = only at each epoch end.")
+    validation_fraction: FiniteFloat = Field(
         0.05,
         ge=0,
         lt=1,
         description="Share of the stored train samples held out (chosen by a hash of the "
         "sample id, never trained on) to measure acceptance during training; 0 = no validation.",
     )
-    validation_max_samples: int = Field(64, ge=0, description="At most this many validation samples.")
+    validation_max_samples: int = Field(
+        64, ge=0, le=MAX_COUNT, description="At most this many validation samples."
+    )
     max_train_samples: int | None = Field(
         None,
         ge=1,
+        le=MAX_COUNT,
         description="Train on at most this many of the stored train samples (after the validation split): "
         "the ones with the smallest hash of their id, so smaller subsets are inside larger ones. For "
         "learning curves: how validation τ grows with data, before paying for more. None = all.",
     )
     eval_every: int = Field(
-        0, ge=0, description="Steps between validations besides every epoch end; 0 = epoch ends only."
+        0,
+        ge=0,
+        le=MAX_COUNT,
+        description="Steps between validations besides every epoch end; 0 = epoch ends only.",
     )
     run_dir: str = Field("./draftflow-runs", description="fsspec URL of training runs.")
     run_dir_shared: bool = Field(
@@ -352,7 +341,7 @@ class TrainingSection(Section):
         "Lustre mount). Needed for a local run_dir when nnodes > 1: rank 0 writes the checkpoints and "
         "every rank reads them on resume, wherever it runs.",
     )
-    max_missing_fraction: float = Field(
+    max_missing_fraction: FiniteFloat = Field(
         0.0,
         ge=0,
         lt=1,
@@ -368,6 +357,8 @@ class TrainingSection(Section):
             r"(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}", self.rdzv_endpoint
         ):
             raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} is not host:port (e.g. head-node:29400)")
+        if self.rdzv_endpoint is not None and not 1 <= int(self.rdzv_endpoint.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r}: port must be 1..65535")
         if self.nnodes > 1 and _node_local(self.run_dir) and not self.run_dir_shared:
             # Whether a local path is a shared mount cannot be seen from one machine, so the
             # recipe says so; otherwise node 1 would resume from a folder rank 0 never wrote.
@@ -383,12 +374,12 @@ class TrainingSection(Section):
 class EvaluationSection(Section):
     """Acceptance evaluation on held-out prompts."""
 
-    num_prompts: int = Field(8, ge=1)
-    max_new_tokens: int = Field(128, ge=1)
-    min_acceptance_length: float = Field(
-        1.0, ge=1.0, description="Gate: publishing needs at least this mean acceptance length."
+    num_prompts: int = Field(8, ge=1, le=MAX_COUNT)
+    max_new_tokens: int = Field(128, ge=1, le=MAX_TOKENS)
+    min_acceptance_length: FiniteFloat = Field(
+        1.0, ge=1.0, le=1024, description="Gate: publishing needs at least this mean acceptance length."
     )
-    agreement_tolerance: float = Field(
+    agreement_tolerance: FiniteFloat = Field(
         0.10, gt=0, lt=1, description="Allowed relative gap between offline and vLLM acceptance."
     )
     in_vllm: bool = True
@@ -410,7 +401,10 @@ class EvaluationSection(Section):
         "the project's own 65 prompts in 5 categories (never trained on), τ reported per category.",
     )
     prompts_per_category: int | None = Field(
-        None, ge=1, description="draftflow-eval only: the first N prompts of each category; None = all."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="draftflow-eval only: the first N prompts of each category; None = all.",
     )
 
 

@@ -62,6 +62,10 @@ class CommitTooLate(RuntimeError):
     """The shard took longer than the commit deadline; it was left uncommitted for gc."""
 
 
+class ManifestEmpty(RuntimeError):
+    """gc found shard objects to delete but a manifest that lists none; nothing was deleted."""
+
+
 @dataclass(frozen=True)
 class FailedSample:
     """A sample that could not be extracted; recorded in the shard's fragment with its reason."""
@@ -223,7 +227,12 @@ class GcReport:
 
 
 def gc(
-    store: Store, *, grace_s: float = GC_GRACE_S, dry_run: bool = False, now: float | None = None
+    store: Store,
+    *,
+    grace_s: float = GC_GRACE_S,
+    dry_run: bool = False,
+    now: float | None = None,
+    force: bool = False,
 ) -> GcReport:
     """Delete shard objects no fragment references, and leftover temp files, older than ``grace_s``.
 
@@ -234,7 +243,9 @@ def gc(
     read it; for a shard never committed, from its upload, so a writer within its commit
     deadline keeps it. Every age is measured on the store's clock (``now`` defaults to the
     modification time of an object written just now), so a skewed host clock changes nothing.
-    ``grace_s`` below :data:`MIN_GC_GRACE_S` is refused.
+    ``grace_s`` below :data:`MIN_GC_GRACE_S` is refused, and so (:class:`ManifestEmpty`, unless
+    ``force``) is deleting shard objects when the manifest lists no shard at all: a lost or
+    unreadable manifest would otherwise make every shard an orphan.
     """
     if grace_s < MIN_GC_GRACE_S:
         raise ValueError(
@@ -263,6 +274,13 @@ def gc(
     orphans = [e for e in objects if e.url not in referenced]
     old_orphans = [e for e in orphans if now - max(e.modified, dropped_at.get(e.url, 0.0)) > grace_s]
     old_temps = [e for e in temps if now - e.modified > grace_s]
+    if old_orphans and not referenced and not force:
+        raise ManifestEmpty(
+            f"{layout.root}: the manifest lists no shard, yet {len(objects)} shard objects are stored "
+            f"({len(old_orphans)} past the grace period); deleting them would empty the data folder. "
+            "Check that this is the right folder and that manifest/ is intact (`draftflow store ls`); "
+            "if they really are all orphans, run gc again with --force. Nothing was deleted"
+        )
     if not dry_run:
         for entry in old_orphans + old_temps:
             store.delete(entry.url)

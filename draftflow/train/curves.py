@@ -1,4 +1,8 @@
-"""Loss and validation τ against step, as a PNG in the run folder (matplotlib, no display)."""
+"""Loss and validation τ against step, as a PNG in the run folder (matplotlib, no display).
+
+Drawn with the Figure API, never pyplot: charts are drawn in Prefect task threads, and pyplot's
+figure registry is process-wide and not thread-safe.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,12 @@ from collections.abc import Sequence
 
 def plot_training_curves(records: Sequence[dict], path: str, best_step: int | None = None) -> str:
     """records: the trainer's metrics lines (``loss`` each; ``val_tau`` where validated)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_tau" in r]
-    fig, (ax_loss, ax_tau) = plt.subplots(2, 1, figsize=(7, 5.5), dpi=100, sharex=True)
+    fig = Figure(figsize=(7, 5.5), dpi=100)
+    ax_loss, ax_tau = fig.subplots(2, 1, sharex=True)
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue")
     ax_loss.set_ylabel("training loss")
     ax_loss.set_title("Training loss and validation acceptance")
@@ -45,5 +47,4 @@ def plot_training_curves(records: Sequence[dict], path: str, best_step: int | No
         ax_tau.text(0.5, 0.5, "no validation split", ha="center", va="center", transform=ax_tau.transAxes)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import stat
 import time
 from collections.abc import Sequence
@@ -21,6 +22,21 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors_bytes
 
 from draftflow.vllm.errors import InvalidHiddenStates
+
+# vLLM's hidden-states connector names each file after the engine's request id:
+# ``<shared_storage_path>/<req_id>.safetensors`` (+ ``.lock``). For the OpenAI completion endpoints
+# draftflow calls, that id is ``cmpl-<X-Request-Id>-<prompt index>-<suffix>`` (``chatcmpl-`` for
+# chat): nothing else in a staging folder was written for draftflow's requests.
+STAGING_NAME = re.compile(r"(?:chat)?cmpl-[A-Za-z0-9][A-Za-z0-9._~-]*\.safetensors(?:\.lock)?")
+
+
+class ForeignStagingFolder(ValueError):
+    """A staging folder holds files the hidden-states connector did not write; nothing was deleted."""
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether `name` is a hidden-states file (or its lock) as the connector names it."""
+    return STAGING_NAME.fullmatch(name) is not None
 
 
 def wait_for_lock(lock_path: str, timeout_s: float, exclusive: bool = False) -> int:
@@ -58,9 +74,9 @@ def staging_path(path: str, staging_dirs: Sequence[str]) -> str:
 
     The path comes from a server's HTTP answer, and this process deletes what it reads: an
     endpoint answering ``~/.ssh/id_ed25519`` or a model's weights must not get them deleted
-    (or read). Accepted: an absolute ``*.safetensors`` path without ``..``, whose folder
-    resolves inside a configured staging folder, and which (with its ``.lock``) is not a
-    symlink. Nothing is touched when the path is refused.
+    (or read). Accepted: an absolute path without ``..``, named as the connector names its
+    files (:data:`STAGING_NAME`), whose folder resolves inside a configured staging folder,
+    and which (with its ``.lock``) is not a symlink. Nothing is touched when the path is refused.
     """
     if not staging_dirs:
         raise InvalidHiddenStates(
@@ -87,6 +103,12 @@ def staging_path(path: str, staging_dirs: Sequence[str]) -> str:
     for p in (path, path + ".lock"):
         if os.path.islink(p):
             raise InvalidHiddenStates("server named a symlink in the staging folder; left untouched", p)
+    if not is_staging_name(os.path.basename(path)):
+        raise InvalidHiddenStates(
+            "server named a file that is not a hidden-states file of a completion request "
+            "(cmpl-<request id>...safetensors); left untouched",
+            path,
+        )
     return path
 
 
@@ -180,23 +202,33 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
     A client killed while its request was in flight never reads (or deletes) the file the
     server writes for it, and the staging folder is often RAM (/dev/shm). The age bound must
     exceed the longest request so that no live request's file is touched; a held lock means
-    the server is still writing. Returns how many files were removed.
+    the server is still writing. Only the connector's names (:data:`STAGING_NAME`) are ever
+    deleted, and a folder holding anything else (a model folder given as staging, say) raises
+    :class:`ForeignStagingFolder` before anything is touched. Returns how many files were removed.
     """
     now = time.time() if now is None else now
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return 0
+    foreign = sorted(n for n in names if not is_staging_name(n))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ForeignStagingFolder(
+            f"staging folder {folder} holds files draftflow's vLLM servers did not write ({shown}); "
+            "nothing in it was deleted. A staging folder must be one of its own (the default "
+            "/dev/shm/draftflow-hidden-states): point vllm.launch.staging_dir / vllm.staging_dirs "
+            "at an empty folder, or move those files out"
+        )
     removed = 0
     for name in names:
         path = os.path.join(folder, name)
+        if name.endswith(".lock"):
+            removed += _sweep_orphan_lock(path, older_than_s, now)
+            continue
         try:
             info = os.lstat(path)  # a symlink is never followed, nor deleted as if it were ours
-            if (
-                not name.endswith(".safetensors")
-                or not stat.S_ISREG(info.st_mode)
-                or now - info.st_mtime < older_than_s
-            ):
+            if not stat.S_ISREG(info.st_mode) or now - info.st_mtime < older_than_s:
                 continue
             fd = os.open(path + ".lock", os.O_RDONLY)
         except FileNotFoundError:  # gone meanwhile, or a server without the lock: age alone decides
@@ -212,3 +244,28 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
             remove_hidden_states(path)
             removed += 1
     return removed
+
+
+def _sweep_orphan_lock(lock_path: str, older_than_s: float, now: float) -> int:
+    """A lock whose file never came (the request was aborted before the write) or whose file is
+    gone: removed once old and not held. A lock beside its file goes with the file."""
+    if os.path.lexists(lock_path.removesuffix(".lock")):
+        return 0
+    try:
+        info = os.lstat(lock_path)
+        if not stat.S_ISREG(info.st_mode) or now - info.st_mtime < older_than_s:
+            return 0
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, or a symlink (O_NOFOLLOW): not ours to delete
+        return 0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0
+    finally:
+        os.close(fd)
+    try:
+        os.remove(lock_path)
+    except FileNotFoundError:
+        return 0
+    return 1

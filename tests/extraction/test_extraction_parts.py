@@ -217,8 +217,6 @@ def test_sweep_removes_only_old_unlocked_staging_files(tmp_path: Path):
         if name != "nolock":
             (tmp_path / f"{path.name}.lock").write_bytes(b"")
         os.utime(path, (now - age, now - age))
-    (tmp_path / "notes.txt").write_text("not vLLM's")
-    os.utime(tmp_path / "notes.txt", (now - 5000, now - 5000))
     held = os.open(tmp_path / "cmpl-writing-0-abcd1234.safetensors.lock", os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)  # the server is still writing this one
     try:
@@ -230,5 +228,4 @@ def test_sweep_removes_only_old_unlocked_staging_files(tmp_path: Path):
         "cmpl-writing-0-abcd1234.safetensors.lock",
         "cmpl-young-0-abcd1234.safetensors",
         "cmpl-young-0-abcd1234.safetensors.lock",
-        "notes.txt",
     ]

@@ -56,7 +56,7 @@ class HostileEndpoint:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 prompt = body["prompt"]
                 if self.headers.get("X-Request-Id", "").startswith("draftflow-probe"):
-                    path = str(staging / f"probe-{len(prompt)}.safetensors")
+                    path = str(staging / f"cmpl-draftflow-probe-{len(prompt)}-0-abcd1234.safetensors")
                     tensors = {
                         "token_ids": torch.tensor(prompt, dtype=torch.int64),
                         "hidden_states": torch.zeros(len(prompt), len(LAYER_IDS), HIDDEN),
@@ -99,11 +99,11 @@ def test_paths_outside_staging_are_never_read_or_deleted(smollm2_dir: Path, tmp_
     staging.mkdir()
     key = plant(tmp_path / "home" / ".ssh" / "id_ed25519.safetensors", b"PRIVATE KEY")
     weights = plant(tmp_path / "models" / "target" / "model.safetensors", b"WEIGHTS")
-    (staging / "link.safetensors").symlink_to(key)
+    (staging / "cmpl-link-0-abcd1234.safetensors").symlink_to(key)
     evil = [
         str(key),
         str(weights),
-        str(staging / "link.safetensors"),
+        str(staging / "cmpl-link-0-abcd1234.safetensors"),
         str(staging / ".." / "models" / "target" / "model.safetensors"),
     ]
     server = HostileEndpoint(str(smollm2_dir), staging, evil)
@@ -135,24 +135,24 @@ def test_paths_outside_staging_are_never_read_or_deleted(smollm2_dir: Path, tmp_
     for planted, content in ((key, b"PRIVATE KEY"), (weights, b"WEIGHTS")):
         assert planted.read_bytes() == content
         assert Path(str(planted) + ".lock").exists()
-    assert (staging / "link.safetensors").is_symlink()
-    assert not list(staging.glob("probe-*"))  # the legitimate probe file was read and deleted
+    assert (staging / "cmpl-link-0-abcd1234.safetensors").is_symlink()
+    assert not list(staging.glob("cmpl-draftflow-probe-*"))  # the legitimate probe file was read and deleted
 
 
 def test_sweep_skips_symlinks(tmp_path: Path):
     staging = tmp_path / "staging"
     staging.mkdir()
     target = plant(tmp_path / "elsewhere" / "weights.safetensors", b"WEIGHTS")
-    (staging / "old.safetensors").symlink_to(target)
-    os.utime(staging / "old.safetensors", (0, 0), follow_symlinks=False)
+    (staging / "cmpl-old-0-abcd1234.safetensors").symlink_to(target)
+    os.utime(staging / "cmpl-old-0-abcd1234.safetensors", (0, 0), follow_symlinks=False)
     os.utime(target, (0, 0))
-    stale = plant(staging / "stale.safetensors", b"x")
+    stale = plant(staging / "cmpl-stale-0-abcd1234.safetensors", b"x")
     os.utime(stale, (0, 0))
     assert sweep_stale(str(staging), older_than_s=60) == 1
     assert (
         not stale.exists()
         and target.read_bytes() == b"WEIGHTS"
-        and (staging / "old.safetensors").is_symlink()
+        and (staging / "cmpl-old-0-abcd1234.safetensors").is_symlink()
     )
 
 

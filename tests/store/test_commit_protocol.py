@@ -39,7 +39,7 @@ def test_orphan_shard_is_invisible_and_collected_after_grace(store):
 
     young = gc(store)  # default grace: hours
     assert young.orphan_shards == () and young.young_orphans_kept == 1
-    old = gc(store, now=time.time() + GC_GRACE_S + 60)  # as if the grace had passed
+    old = gc(store, now=time.time() + GC_GRACE_S + 60, force=True)  # as if the grace had passed
     assert old.orphan_shards == (committed.shard_url,)
     assert store.list(store.layout.shards_dir, paths.SHARD_SUFFIX) == []
 

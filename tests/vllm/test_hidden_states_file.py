@@ -150,7 +150,7 @@ def test_response_without_path_means_extraction_not_enabled():
 
 
 def test_response_echoing_other_tokens_is_invalid(tmp_path):
-    path = tmp_path / "echo.safetensors"
+    path = tmp_path / "cmpl-echo-0-abcd1234.safetensors"
     write_sample(path)
     body = {
         "choices": [{"prompt_token_ids": [1, 2]}],
