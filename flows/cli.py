@@ -12,9 +12,16 @@ from draftflow.cli import add_overrides, build_parser, run
 
 
 def _pipeline(args) -> int:
+    import os
+
+    from draftflow.recipe.redact import split_secret_overrides
     from flows.pipeline import pipeline
 
-    result = pipeline(recipe=args.recipe, overrides=list(args.overrides))
+    # Flow-run parameters are stored and shown: secret values reach the tasks through the
+    # environment, the parameters hold them starred (draftflow.recipe.redact).
+    overrides, secret_env = split_secret_overrides(args.overrides)
+    os.environ.update(secret_env)
+    result = pipeline(recipe=args.recipe, overrides=overrides)
     print(result.summary())
     return 0
 

@@ -5,15 +5,23 @@ deployment whose runs a `prefect worker start --pool POOL` on a machine with thi
 picks up. Nothing is built or pushed: no image, no remote storage; the worker runs the flow
 from this folder (`flow.from_source` of a local path), so relative paths in recipes resolve
 against it, like `prefect.yaml` at the repository root.
+
+Deployment parameters are shown in the UI and the API to anyone who can read the workspace, so
+an override that may carry a secret (`recipe.redact`) is stored there as `KEY=**********`; its
+value goes to a Prefect Secret block, which the worker resolves into the flow run's environment
+($DRAFTFLOW_SECRET_OVERRIDES, a job variable), where the tasks put it back in its place.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 from uuid import UUID
 
 from draftflow.recipe import catalog
 from draftflow.recipe.load import RecipeError, load_recipe
+from draftflow.recipe.redact import SECRET_OVERRIDES_ENV, split_secret_overrides
 
 SOURCE_DIR = Path(__file__).resolve().parents[1]  # the folder that holds flows/, tasks/, recipes/
 DEFAULT_POOL = "draftflow-process"
@@ -40,6 +48,29 @@ def recipe_parameter(recipe: str) -> str:
     """
     catalog.resolve(recipe)  # RecipeError when it is neither
     return str(Path(recipe).resolve()) if Path(recipe).is_file() else recipe
+
+
+def secret_overrides_block(flow: str, deployment: str) -> str:
+    """The Secret block that holds the secret overrides of one deployment (block names allow
+    lowercase letters, digits and dashes; the digest keeps similar deployment names apart)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{flow}-{deployment}".lower()).strip("-")[:40]
+    digest = hashlib.sha256(f"{flow}/{deployment}".encode()).hexdigest()[:8]
+    return f"draftflow-overrides-{slug}-{digest}"
+
+
+def secret_job_variables(
+    flow: str, deployment: str, overrides: list[str] | tuple[str, ...]
+) -> tuple[list, dict]:
+    """The overrides as the deployment stores them (secret values redacted) and its job variables:
+    the worker's environment gets the redacted values from a Secret block saved here (none: {})."""
+    from prefect.blocks.system import Secret
+
+    shown, secret_env = split_secret_overrides(overrides)
+    if not secret_env:
+        return shown, {}
+    block = secret_overrides_block(flow, deployment)
+    Secret(value=secret_env[SECRET_OVERRIDES_ENV]).save(block, overwrite=True)
+    return shown, {"env": {SECRET_OVERRIDES_ENV: "{{ prefect.blocks.secret." + block + " }}"}}
 
 
 def ensure_process_pool(name: str) -> bool:
@@ -98,7 +129,7 @@ def deploy(
         raise RecipeError(f"--flow {flow!r}: choose one of {', '.join(ENTRYPOINTS)}")
     parameter = recipe_parameter(recipe)
     parsed = load_recipe(catalog.resolve(recipe), list(overrides))
-    parameters: dict = {"recipe": parameter, "overrides": list(overrides)}
+    parameters: dict = {"recipe": parameter}
     if (node_rank is not None or run_id is not None) and flow != "train":
         raise RecipeError(f"--node-rank and --run-id belong to the train flow, not {flow}")
     if node_rank is not None:
@@ -112,13 +143,16 @@ def deploy(
                 raise RecipeError(f"the {flow} flow takes no {key}")
             parameters[key] = value  # block *names*: the secrets stay in the blocks
     ensure_process_pool(pool)
+    name = name or parsed.name
+    parameters["overrides"], job_variables = secret_job_variables(flow, name, overrides)
     deployable = prefect_flow.from_source(source=str(SOURCE_DIR), entrypoint=ENTRYPOINTS[flow])
     return deployable.deploy(
-        name=name or parsed.name,
+        name=name,
         work_pool_name=pool,
         build=False,
         push=False,
         parameters=parameters,
+        job_variables=job_variables,
         schedule=Cron(cron, timezone=timezone or "UTC") if cron else None,
         paused=paused,
         description=f"draftflow {flow} of recipe {parsed.name}",

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from blocks.infrastructure import HiddenStateStore, VLLMServer
 from draftflow.plan import Plan
 from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV, storage_options_from_env
+from draftflow.recipe.load import string_override
+from draftflow.recipe.redact import restore_secret_overrides
 from draftflow.recipe.schema import VLLMLaunchSection
 
 
 @dataclass
 class Infra:
-    overrides: list[str]
+    overrides: list[str] = field(repr=False)  # secret overrides restored: never shown
     storage_options: dict = field(default_factory=dict, repr=False)
     endpoints: list[str] | None = None
     api_key: str | None = field(default=None, repr=False)
@@ -26,10 +28,11 @@ class Infra:
 
 
 def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None) -> Infra:
-    infra = Infra(overrides=list(overrides))
+    # Parameters hold secret overrides redacted; their values come from the environment (recipe.redact).
+    infra = Infra(overrides=restore_secret_overrides(overrides))
     if store_block:
         url, options = HiddenStateStore.load(store_block).settings()
-        infra.overrides.append(f"extraction.store={url}")
+        infra.overrides.append(string_override("extraction.store", url))  # a URL, never re-read as YAML
         infra.storage_options = options
     else:  # as every core command: $DRAFTFLOW_STORAGE_OPTIONS (a run without blocks, `draftflow pipeline`)
         infra.storage_options = storage_options_from_env()

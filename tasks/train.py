@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shlex
 import subprocess
 import threading
 
@@ -31,9 +32,10 @@ from draftflow.paths import RunLayout
 from draftflow.plan import Plan
 from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.progress import Progress
+from draftflow.recipe.redact import redact_args
 from draftflow.remote import is_remote
 from draftflow.train import RESULT_PREFIX
-from draftflow.train.launch import torchrun_command
+from draftflow.train.launch import torchrun_launch
 from draftflow.train.metrics import parse_line
 from tasks import infra as infra_mod
 from tasks.infra import artifact_key
@@ -50,11 +52,11 @@ def node_launch(
     vllm_block: str | None = None,
 ) -> tuple[Plan, list[str], dict[str, str]]:
     """The plan, this node's torchrun command and the settings it gets through the environment
-    (secrets via env, never argv)."""
+    (secrets via env, never argv: secret overrides are redacted on it)."""
     infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
     plan = infra_mod.plan_for(recipe, infra)
-    cmd = torchrun_command(plan, run_id, node_rank=node_rank, max_steps=max_steps)
-    return plan, cmd, infra_mod.subprocess_env(infra)
+    cmd, secret_env = torchrun_launch(plan, run_id, node_rank=node_rank, max_steps=max_steps)
+    return plan, cmd, {**infra_mod.subprocess_env(infra), **secret_env}
 
 
 STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM before SIGKILL
@@ -80,7 +82,7 @@ def train_drafter(
     plan, cmd, launch_env = node_launch(
         recipe, overrides, run_id, node_rank, max_steps, store_block, vllm_block
     )
-    logger.info("training: %s", " ".join(cmd))
+    logger.info("training: %s", shlex.join(redact_args(cmd)))
     sinks = prefect_sinks(artifact_key(plan, "training-progress"), f"training {plan.recipe.name}")
     progress = Progress("training", None, unit="steps", sinks=sinks)
     stderr_tail: collections.deque[str] = collections.deque(maxlen=40)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import yaml
@@ -13,6 +12,7 @@ from draftflow.recipe import catalog
 from draftflow.recipe.checks import resolve_context_layer_ids, validate
 from draftflow.recipe.fingerprint import fingerprint
 from draftflow.recipe.load import RecipeError
+from draftflow.recipe.redact import redacted_recipe
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +78,8 @@ def cmd_validate(args) -> int:
 def cmd_show(args) -> int:
     result = validate(str(catalog.resolve(args.file)), args.overrides)
     recipe = result.recipe
-    print(yaml.safe_dump(json.loads(recipe.model_dump_json()), sort_keys=False), end="")
+    # launch env values and secret extra_args print as **********: terminals and CI logs are shared
+    print(yaml.safe_dump(redacted_recipe(recipe), sort_keys=False), end="")
     if result.target is None:
         print("# resolved: target config not readable here; layer ids and fingerprint unknown")
         return 0

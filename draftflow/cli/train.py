@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 
 from draftflow.cli import add_overrides
 
@@ -39,15 +40,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train(args) -> int:
     from draftflow.plan import Plan
-    from draftflow.train.launch import torchrun_command
+    from draftflow.recipe.redact import SECRET_OVERRIDES_ENV
+    from draftflow.train.launch import torchrun_launch
 
     plan = Plan.load(args.recipe, args.overrides)  # RecipeError: one line, exit 2, nothing started
     flags = tuple(f for f, on in (("--force-new", args.force_new), ("--no-export", args.no_export)) if on)
-    cmd = torchrun_command(
+    cmd, env = torchrun_launch(
         plan, args.run_id, node_rank=args.node_rank, max_steps=args.max_steps, trainer_args=flags
     )
     if args.print_command:
         print(shlex.join(cmd))
+        if env:
+            print(
+                f"note: the values of the overrides shown as ********** are not printed; the trainer "
+                f"reads them from ${SECRET_OVERRIDES_ENV} (a JSON list of KEY=VALUE)",
+                file=sys.stderr,
+            )
         return 0
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, {**os.environ, **env})
     return 1  # not reached

@@ -8,6 +8,7 @@ so a user who forked a recipe sees at once what to fix.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def string_override(key: str, value: str) -> str:
+    """`key=VALUE` whose value :func:`parse_override` reads back as exactly the string `value`.
+
+    For values that come from elsewhere (a block's URL, a path): parsed as plain YAML, a `#`
+    would start a comment, `no` would be a boolean and `123` a number. A JSON string is a YAML
+    double-quoted scalar, read back verbatim.
+    """
+    return f"{key}={json.dumps(value, ensure_ascii=False)}"
+
+
 def apply_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
-    """Return a copy of ``data`` with each dotted override set (validated later, like the file)."""
+    """Return a copy of ``data`` with each dotted override set (validated later, like the file).
+    A secret shown as ``KEY=**********`` gets its value from the environment (recipe.redact)."""
+    from draftflow.recipe.redact import restore_secret_overrides
+
     out = copy.deepcopy(data)
-    for item in overrides:
+    for item in restore_secret_overrides(overrides):
         path, value = parse_override(item)
         node = out
         for part in path[:-1]:

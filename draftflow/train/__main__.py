@@ -46,13 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     from draftflow.paths import RunLayout
     from draftflow.plan import Plan
     from draftflow.recipe.load import RecipeError
+    from draftflow.recipe.redact import restore_secret_overrides
     from draftflow.sample_source import MissingSamples
     from draftflow.train import run_state
     from draftflow.train.checkpointing import CheckpointUnreadable
     from draftflow.train.runtime import init_runtime, shutdown
 
     try:  # before the process group: a bad recipe or missing credentials is one line, no traceback
-        plan = Plan.load(args.recipe, args.overrides)
+        # Secret overrides come redacted on argv, their values in the environment (train.launch).
+        plan = Plan.load(args.recipe, restore_secret_overrides(args.overrides))
     except RecipeError as err:
         print(f"draftflow.train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_REFUSED

@@ -9,6 +9,9 @@ DNS aliases and containers (every node waits for a store nobody opened) and is a
 several nodes share one host. Global ranks are still assigned by the rendezvous (c10d ignores
 `--node-rank`), so global rank 0 — the rank that writes checkpoints and the export and prints
 the result line — may run on any node; the run folder is shared, so that does not matter.
+
+Overrides that may carry a secret go on the command line redacted (any user of the host reads
+argv with `ps`) and reach the trainer through its environment (`recipe.redact`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import sys
 
 from draftflow.recipe.load import RecipeError
+from draftflow.recipe.redact import split_secret_overrides
 
 
 def check_node_rank(training, node_rank: int) -> None:
@@ -32,15 +36,16 @@ def rendezvous_id(recipe_name: str, run_id: str) -> str:
     return f"draftflow-{recipe_name}-{run_id}"
 
 
-def torchrun_command(
+def torchrun_launch(
     plan,
     run_id: str,
     *,
     node_rank: int = 0,
     max_steps: int | None = None,
     trainer_args: tuple[str, ...] = (),
-) -> list[str]:
-    """argv of `torch.distributed.run` for this node; `trainer_args` go to `draftflow.train` as they are."""
+) -> tuple[list[str], dict[str, str]]:
+    """argv of `torch.distributed.run` for this node and the environment it needs besides the
+    current one (the values of secret overrides); `trainer_args` go to `draftflow.train` as they are."""
     t = plan.recipe.training
     check_node_rank(t, node_rank)
     cmd = [
@@ -60,8 +65,9 @@ def torchrun_command(
     else:
         cmd += ["--standalone"]
     cmd += ["-m", "draftflow.train", plan.recipe_path, "--run-id", run_id]
-    for override in plan.overrides:
+    overrides, env = split_secret_overrides(plan.overrides)
+    for override in overrides:
         cmd += ["--set", override]
     if max_steps is not None:
         cmd += ["--max-steps", str(max_steps)]
-    return cmd + list(trainer_args)
+    return cmd + list(trainer_args), env

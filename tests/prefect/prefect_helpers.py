@@ -180,3 +180,15 @@ def checkpoint_and_report(target: Path, folder: Path, tau: float, min_tau: float
     )
     paths = evaluation.write(folder / "eval")
     return str(checkpoint), str(paths["report"])
+
+
+def train_fixtures():
+    """The trainer tests' store builder (SmolLM2 hidden states from transformers, no vLLM)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "train_store_fixtures", REPO / "tests" / "train" / "conftest.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import time
@@ -10,22 +9,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prefect_helpers import REPO, trigger, wait_final
+from prefect_helpers import train_fixtures, trigger, wait_final
 
 from draftflow.paths import CHECKPOINT_COMPLETE, RunLayout
 from draftflow.plan import Plan
 
 pytestmark = pytest.mark.slow
-
-
-def _train_fixtures():
-    """The trainer tests' store builder (SmolLM2 hidden states from transformers, no vLLM)."""
-    spec = importlib.util.spec_from_file_location(
-        "train_store_fixtures", REPO / "tests" / "train" / "conftest.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -43,7 +32,7 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_cancelling_the_train_flow_run_leaves_no_torchrun_running(
     prefect_server, start_runner, smollm2_dir, tmp_path
 ):
-    fixtures = _train_fixtures()
+    fixtures = train_fixtures()
     recipe = str(fixtures.write_recipe(tmp_path))
     plan = Plan.load(recipe)
     fixtures.fill_store(plan, smollm2_dir)
