@@ -10,7 +10,8 @@ both call it). It refuses, pushing nothing, when
 
 A published version is named by the content hash of the folder (its card aside), so pushing the
 same checkpoint twice writes nothing the second time. fsspec destinations get the files first
-and a ``PUBLISHED`` marker last (a reader trusts only marked versions); the Hugging Face Hub
+and a ``PUBLISHED`` marker last (a reader trusts only marked versions; a local version folder
+appears by one rename, complete with its marker); the Hugging Face Hub
 path uploads one commit into a repository created **private** unless the destination says
 otherwise, and skips the upload when the Hub already holds that version.
 """
@@ -19,12 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import secrets
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import fsspec
 import yaml
+from fsspec.implementations.local import LocalFileSystem
 
 from draftflow.evaluation.contract import check_contract
 from draftflow.evaluation.report import Evaluation
@@ -35,6 +41,8 @@ from draftflow.paths import EXPORT_RECIPE, MODEL_CARD, join
 from draftflow.recipe.load import expand, recipe_from_dict
 from draftflow.recipe.schema import Recipe
 from draftflow.remote import is_remote, local_copy
+
+log = logging.getLogger(__name__)
 
 PUBLISHED_MARKER = "PUBLISHED"
 VERSION_FILE = "draftflow-version.json"
@@ -201,20 +209,63 @@ def _recipe(folder: Path, fallback: Recipe | None) -> tuple[Recipe, str]:
 
 
 def push_fsspec(folder: Path, dest_url: str, name: str, storage_options: dict | None = None) -> Published:
+    """Copy ``folder`` to ``DEST/NAME-VERSION`` so that no reader sees a part of it as a version.
+
+    Object stores: every file, then the ``PUBLISHED`` marker (a reader trusts only marked
+    versions; a rerun after a kill uploads again and marks). Local folders: the copy and its
+    marker go into a hidden sibling that is renamed into place whole, so the version's folder
+    exists only complete; hidden siblings of killed runs of this version are removed first.
+    """
     version = folder_digest(folder)
     target = join(dest_url, f"{name}-{version}")
     fs, root = fsspec.core.url_to_fs(target, **(storage_options or {}))
     marker = f"{root}/{PUBLISHED_MARKER}"
     if fs.exists(marker):
         return Published(target, version, pushed=False)
+    if isinstance(fs, LocalFileSystem):
+        _publish_local(folder, Path(root), version)
+        return Published(target, version, pushed=True)
     fs.makedirs(root, exist_ok=True)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
         fs.makedirs(f"{root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
         fs.put_file(str(path), f"{root}/{rel}")
     with fs.open(marker, "wb") as f:
-        f.write(json.dumps({"version": version}).encode())
+        f.write(_marker(version))
     return Published(target, version, pushed=True)
+
+
+def _marker(version: str) -> bytes:
+    return json.dumps({"version": version}).encode()
+
+
+def _publish_local(folder: Path, final: Path, version: str) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{final.name}.partial-"
+    for stale in final.parent.glob(prefix + "*"):  # this version's copies that a kill interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+    if final.exists():  # unmarked: left by a publish that wrote in place; kept, moved aside
+        aside = final.with_name(f".{final.name}.incomplete-{secrets.token_hex(4)}")
+        os.replace(final, aside)
+        log.warning("moved an incomplete copy of %s aside to %s", final, aside)
+    tmp = final.with_name(prefix + secrets.token_hex(6))
+    try:
+        shutil.copytree(folder, tmp)
+        (tmp / PUBLISHED_MARKER).write_bytes(_marker(version))
+        _fsync_tree(tmp)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file and folder under ``root`` on disk before the rename makes it a version."""
+    for path in sorted(root.rglob("*"), reverse=True) + [root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def push_hub(folder: Path, repo_id: str, token: str | None, *, private: bool = True, api=None) -> Published:
