@@ -203,6 +203,7 @@ def prepare_data(
             log_dir=log_dir,
             staging_dirs=staging_folders(plan),
             min_model_len=plan.recipe.data.max_length + 1,
+            sampled=any(s.kind == "self_generated" for s in plan.recipe.data.sources),
         ) as handle:
             run_coroutine(_prepare(plan, store, handle.endpoints, api_key))
     else:

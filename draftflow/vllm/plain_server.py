@@ -3,12 +3,13 @@
 An extraction server drafts and rejects a token on every decode step (the
 ``extract_hidden_states`` speculative method) and writes a hidden-state file for every
 request; generating text through it is much slower than through the same model served
-plainly, and its drafted token is not meant for text: replies come back degenerate.
+plainly, and text it *samples* is not the target's: vLLM 0.32's ``extract_hidden_states``
+method garbles sampled tokens (repeated words, junk), while greedy replies come out identical.
 Preparation therefore runs against a plain server started here, which is stopped before the
 extraction server starts on the same port. An endpoint that already answers is used only
-when it checks out (the served model, extraction off, its dtype and context length), and never
-when another live draftflow run started it; a server the pipeline did not start is never
-stopped or replaced.
+when it checks out (the served model, extraction off when text is sampled, its dtype and
+context length), and, for a run with launch settings, never when another draftflow run started
+it; a server the pipeline did not start is never stopped or replaced.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ def ensure_plain_running(
     health_timeout_s: float = 3.0,
     staging_dirs: Sequence[str] = (),
     min_model_len: int | None = None,
+    sampled: bool = True,
 ) -> ServerHandle:
     """Endpoints that answer are checked (see the module docstring); dead ones get a plain server
     (``launch``). ``staging_dirs``: where a probe's hidden-state file may be deleted, should an
-    answering server turn out to extract."""
+    answering server turn out to extract. ``sampled``: the text is sampled (self-generated
+    prompts), not only greedy replies; an extraction server is then refused."""
     urls = [endpoints] if isinstance(endpoints, str) else list(endpoints)
     urls = [u.rstrip("/") for u in urls]
     model = expand(model)
@@ -75,12 +78,16 @@ def ensure_plain_running(
                     entry = next(e for e in served if e.get("id") == served_id)
                     for note in check_adopted_settings(url, entry, dtype, min_model_len):
                         log.warning(note)
-                    if extraction_enabled(http, url, served_id, [expand(d) for d in staging_dirs]):
+                    if not extraction_enabled(http, url, served_id, [expand(d) for d in staging_dirs]):
+                        continue
+                    if sampled:
                         raise WrongServerSettings(
-                            f"{url} extracts hidden states (started with --kv-transfer-config): text "
-                            "generated through it is not the target's. Generation needs a plain server: "
-                            "stop that one, or let draftflow start one (vllm.launch)"
+                            f"{url} extracts hidden states (started with --kv-transfer-config): text it "
+                            "samples is not the target's (tokens repeat and garble). Self-generated "
+                            "data needs a plain server: stop that one, or let draftflow start one "
+                            "(vllm.launch)"
                         )
+                    log.warning("%s extracts hidden states: greedy replies through it are slower", url)
     except BaseException:
         handle.stop()
         raise

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -80,3 +82,11 @@ def assert_bit_identical(got, want) -> None:
         got.sample_id
     )
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.loss_mask, want.loss_mask)
+
+
+def plant_stale_staging_file(staging: Path) -> Path:
+    """A hidden-state file a killed client never read, as the connector names it, an hour old."""
+    path = staging / "cmpl-killed-client-0-abcd1234.safetensors"
+    path.write_bytes(b"x")
+    os.utime(path, (time.time() - 3600, time.time() - 3600))
+    return path

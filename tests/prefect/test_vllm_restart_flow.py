@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from extraction_helpers import launch_recipe_dict, request_count
+from extraction_helpers import launch_recipe_dict, plant_stale_staging_file, request_count
 
 from draftflow.extraction import expected_samples
 from draftflow.plan import Plan
@@ -98,6 +98,8 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
                 seen["new group"] = fresh[0]
             time.sleep(0.2)
 
+    staging.mkdir(parents=True, exist_ok=True)
+    left = plant_stale_staging_file(staging)  # by a client killed mid-request in an earlier run
     killer = threading.Thread(target=kill_mid_run, daemon=True)
     killer.start()
     try:
@@ -113,6 +115,7 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
     ids = read_manifest(store)["sample_id"].to_pylist()
     assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids)  # none lost, none twice
     assert verify(store).ok
+    assert not left.exists()  # the Prefect flow sweeps stale staging files, as the CLI does
     # the flow stopped the server it started again; nothing of either launch is left
     assert lifecycle.records() == []
     for group in (seen["killed group"], seen["new group"]):

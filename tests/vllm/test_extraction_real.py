@@ -200,9 +200,10 @@ def test_a_server_too_short_for_the_recipes_samples_is_refused(smollm2_extractio
         assert h.started == [] and len(h.unverified) == 1  # length and dtype checked: only layer ids not
 
 
-def test_an_extraction_server_is_never_used_to_generate_text(smollm2_extraction, smollm2_dir):
-    """Text generated through an extraction server is not the target's (it drafts a bogus token
-    every step): generation refuses it, and the probe's hidden-state file is not left behind."""
+def test_an_extraction_server_is_never_used_to_sample_text(smollm2_extraction, smollm2_dir):
+    """Text an extraction server samples is not the target's (vLLM 0.32's extract_hidden_states
+    garbles sampled tokens; greedy replies are identical): self-generation refuses it, greedy
+    regeneration uses it, and the probe's hidden-state file is not left behind."""
     with pytest.raises(WrongServerSettings, match="extracts hidden states .* needs a plain server"):
         ensure_plain_running(
             smollm2_extraction.url,
@@ -210,6 +211,14 @@ def test_an_extraction_server_is_never_used_to_generate_text(smollm2_extraction,
             api_key=smollm2_extraction.api_key,
             staging_dirs=[str(smollm2_extraction.staging_dir)],
         )
+    with ensure_plain_running(
+        smollm2_extraction.url,
+        model=str(smollm2_dir),
+        api_key=smollm2_extraction.api_key,
+        staging_dirs=[str(smollm2_extraction.staging_dir)],
+        sampled=False,
+    ) as handle:
+        assert handle.started == []
     assert list(smollm2_extraction.staging_dir.iterdir()) == []
     assert is_healthy(smollm2_extraction.url)  # not ours to stop
 
