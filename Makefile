@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTEST_ARGS ?=
 DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu-demo.yaml
 
-.PHONY: bootstrap demo lint test test-fast bench bench-quality
+.PHONY: bootstrap demo lint test test-fast test-faults test-recipes bench bench-quality
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -18,11 +18,28 @@ lint: bootstrap
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
 
+# The fast tests first (no server, no long training: a broken import fails in two minutes), then
+# the slow ones; scripts/suite_budget.py then fails a fast test over 5 s or any test over 120 s
+# without @pytest.mark.slow_ok(reason=...), and prints the slowest and the server start-ups.
+REPORTS := .pytest-report
 test: bootstrap lint
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -m "not slow" --suite-report=$(REPORTS)/fast.json $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -m slow --suite-report=$(REPORTS)/slow.json $(PYTEST_ARGS)
+	.venv/bin/python scripts/suite_budget.py $(REPORTS)/fast.json $(REPORTS)/slow.json
 
+# No vLLM, Prefect or S3 server and no torchrun: tests/suite_plugin.py fails a test here that starts one.
 test-fast: bootstrap
-	.venv/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -m "not slow" --suite-report=$(REPORTS)/fast.json $(PYTEST_ARGS)
+	.venv/bin/python scripts/suite_budget.py $(REPORTS)/fast.json
+
+# The kill series behind docs/reliability.md: the suite's one-kill fault tests, each run as its
+# whole series (tests/fault_series.py); prints the table rows.
+test-faults: bootstrap
+	.venv/bin/python bench/faults.py
+
+# Every shipped recipe end to end on the CPU stack (the suite runs the quickstart's one).
+test-recipes: bootstrap
+	DRAFTFLOW_SHIPPED_RECIPES=all .venv/bin/python -m pytest tests/test_shipped_recipes_e2e.py $(PYTEST_ARGS)
 
 # Benchmarks print ratios against a baseline measured in the same run (see README).
 bench: bootstrap

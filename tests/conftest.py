@@ -19,12 +19,17 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import httpx  # noqa: E402
 import pytest  # noqa: E402
+
+pytest.register_assert_rewrite("suite_plugin")
+from suite_plugin import CENSUS  # noqa: E402
 
 from draftflow.recipe.load import default_home  # noqa: E402
 from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["suite_plugin", "pytester"]
 BOOTSTRAP_HINT = "run `make test` (or `make bootstrap`) first"
 
 
@@ -95,22 +100,26 @@ def vllm_python(draftflow_home: Path) -> str:
 class VLLMServers:
     """Starts real vLLM servers, one at a time (two on a 2-core host hang at start-up).
 
-    Asking again for the same settings returns the running server; asking for different
-    settings stops the running one first.
+    Asking again for the same settings returns the running server, unless it died or stopped
+    answering: then a new one replaces it. Asking for different settings stops the running one
+    first. The collection hook below orders modules so that those sharing settings run back to
+    back; tests marked `own_server` get a fresh server that nobody after them reuses.
     """
 
     def __init__(self, python: str, log_dir: Path):
         self.python = python
         self.log_dir = log_dir
         self.current: tuple[tuple, ServerProcess] | None = None
+        self.startups = 0
 
     def get(self, model: Path | str, **settings) -> ServerProcess:
         # the tests' prompts are short; all cores compute, as in the shipped CPU recipes
         settings = {"max_model_len": 1024, "cpu_reserved_cores": 0, **settings}
         key = (str(model), repr(sorted(settings.items())))  # the settings in effect, defaults included
-        if self.current and self.current[0] == key and self.current[1].proc.poll() is None:
+        if self.current and self.current[0] == key and _answers(self.current[1]):
             return self.current[1]
         self.stop()  # the launcher's host lock makes other test sessions wait, not hang
+        self.assert_none_alive()
         port = free_port()
         spec = LaunchSpec(
             python=self.python,
@@ -122,9 +131,20 @@ class VLLMServers:
             **settings,
         )
         server = ServerProcess(spec).start()
+        self.startups += 1
         server.wait_healthy(timeout_s=300)
         self.current = (key, server)
         return server
+
+    def assert_none_alive(self) -> None:
+        """No vLLM server of this test process runs: a test that started its own left it behind."""
+        alive = CENSUS.live_vllm_servers()
+        if alive:
+            started = {s.pid: s.test for s in CENSUS.starts}
+            listed = "; ".join(
+                f"pid {p.pid} (started during {started.get(p.pid, 'an unknown test')})" for p in alive
+            )
+            pytest.fail(f"a vLLM server is still running before the pool starts one: {listed}")
 
     def stop(self) -> None:
         if self.current:
@@ -132,11 +152,61 @@ class VLLMServers:
             self.current = None
 
 
+def _answers(server: ServerProcess) -> bool:
+    if server.proc.poll() is not None:
+        return False
+    try:
+        return httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def vllm_servers(vllm_python: str, tmp_path_factory):
     servers = VLLMServers(vllm_python, tmp_path_factory.mktemp("vllm-logs"))
     yield servers
     servers.stop()
+
+
+@pytest.fixture(autouse=True)
+def _own_server(request):
+    """`@pytest.mark.own_server`: the test kills or breaks its server, so it starts from a fresh
+    one and the pool drops it afterwards."""
+    if request.node.get_closest_marker("own_server") is None:
+        yield
+        return
+    servers = request.getfixturevalue("vllm_servers")
+    servers.stop()
+    yield
+    servers.stop()
+
+
+@pytest.fixture(scope="session")
+def staging_dir(tmp_path_factory) -> Path:
+    """Where the test extraction server writes hidden-state files (shared with the tests: same host).
+    One folder for every test folder, so they all share one extraction server."""
+    return tmp_path_factory.mktemp("hidden-state-staging")
+
+
+# Modules that use the same pooled server run back to back (fewest start-ups); within a module
+# the order is the file's. Whole modules move, so module-scoped fixtures are set up once. Modules
+# on `prefect_harness` run after those on `prefect_server`: once entered, the harness points this
+# process's Prefect client at itself for the rest of the session.
+SERVER_GROUPS = {"extraction_server": 1}
+
+
+def pytest_collection_modifyitems(config, items):
+    first_seen: dict[str, int] = {}
+    key_of: dict[str, tuple[bool, bool, int]] = {}
+    for index, item in enumerate(items):
+        module = item.nodeid.split("::")[0]
+        first_seen.setdefault(module, index)
+        slow = item.get_closest_marker("slow") is not None
+        harness = "prefect_harness" in item.fixturenames
+        group = min((g for name, g in SERVER_GROUPS.items() if name in item.fixturenames), default=9)
+        was_slow, had_harness, was_group = key_of.get(module, (False, False, 9))
+        key_of[module] = (was_slow or slow, had_harness or harness, min(was_group, group))
+    items.sort(key=lambda item: (*key_of[m := item.nodeid.split("::")[0]], first_seen[m]))
 
 
 @pytest.fixture(scope="session")

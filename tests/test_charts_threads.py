@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent(
@@ -76,6 +78,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_charts_drawn_from_many_threads_are_exact_and_never_touch_pyplot(tmp_path: Path):
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=600

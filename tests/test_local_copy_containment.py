@@ -52,6 +52,7 @@ def _assert_refused(url: str, options: dict | None, tmp_path: Path, suffix: str,
     assert leftovers == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(4))
 def test_hostile_s3_key_is_refused_and_nothing_is_written(s3, tmp_path: Path, index: int):
     suffix, target = list(_hostile_keys(tmp_path).items())[index]
@@ -74,6 +75,7 @@ def test_hostile_key_on_another_backend_is_refused(tmp_path: Path, index: int):
         fs.rm(folder.split("/export")[0], recursive=True)
 
 
+@pytest.mark.slow
 def test_ordinary_nested_keys_are_still_copied(s3, tmp_path: Path):
     prefix = f"{uuid.uuid4().hex}/export"
     _s3_put(s3, f"{prefix}/config.json", b"{}")

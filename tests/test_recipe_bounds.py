@@ -196,6 +196,7 @@ def test_a_string_override_keeps_the_exact_string(url):
     assert load_recipe(DEMO, [string_override("extraction.store", url)]).extraction.store == url
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("url", ["/srv/draftflow store #2", "no"])
 def test_a_store_block_url_reaches_the_plan_unchanged(prefect_harness, tmp_path, url):
     """The Prefect tasks hand the store block's URL to the recipe as an override: it must arrive as

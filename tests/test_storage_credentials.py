@@ -117,6 +117,7 @@ def _clean_env(tmp_path: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_trainer_and_extract_command_refuse_in_one_line_before_any_server(tmp_path, smollm2_dir):
     recipe = _recipe(tmp_path, smollm2_dir, store="s3://bucket/hs", run_dir="s3://bucket/runs")
     env = _clean_env(tmp_path)
@@ -145,6 +146,7 @@ def test_trainer_and_extract_command_refuse_in_one_line_before_any_server(tmp_pa
     assert "127.0.0.1:9" not in extract.stderr + extract.stdout  # no server was asked or started
 
 
+@pytest.mark.slow
 def test_the_flows_first_task_refuses_and_a_store_blocks_keys_let_it_through(
     tmp_path, smollm2_dir, no_credentials
 ):

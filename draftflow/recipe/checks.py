@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from dataclasses import dataclass, field
 
@@ -129,14 +130,23 @@ def storage_errors(
 
 
 def scheduler_errors(recipe: Recipe, timeout_s: float = 5.0) -> list[str]:
-    """The Dask scheduler at ``prefect.address`` does not accept a connection from here.
+    """`prefect.task_runner: dask` without the dask extra installed, or the Dask scheduler at
+    ``prefect.address`` does not accept a connection from here.
 
     Run by the flows that map shard tasks, before any vLLM server starts: without it a dead
     address surfaces only after the servers are up, as a connection timeout deep in the task runner.
     A TCP connect is enough to tell "nothing there" (no Dask import in the core).
     """
+    if recipe.prefect.task_runner != "dask":
+        return []
+    missing = [name for name in ("prefect_dask", "distributed") if importlib.util.find_spec(name) is None]
+    if missing:
+        return [
+            f"prefect.task_runner: dask needs the dask extra ({', '.join(missing)} not installed): "
+            "pip install 'draftflow[dask]', or use task_runner: threads"
+        ]
     address = recipe.prefect.address
-    if recipe.prefect.task_runner != "dask" or address is None:
+    if address is None:
         return []
     host, port = address.split("://", 1)[1].rsplit(":", 1)
     try:

@@ -26,6 +26,7 @@ def test_fp8_bench_recipe_accepts_its_servers_files(
     assert plan.recipe.extraction.dtype == dtype
 
 
+@pytest.mark.slow
 def test_generation_bench_recipe_accepts_the_extraction_servers_files(
     tmp_path: Path, smollm2_dir: Path, bench_args, bench_module
 ):

@@ -105,6 +105,7 @@ def test_smoke_run_checks_flex_and_trains_every_point_with_only_the_models_impor
     assert "tokens/s" in proc.stdout and "check PASS" in proc.stdout
 
 
+@pytest.mark.slow
 def test_without_cuda_and_without_smoke_it_says_so_in_one_line_and_fails(tmp_path):
     root = _plain_copy(tmp_path)
     proc = _run(root, cwd=root)

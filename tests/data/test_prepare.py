@@ -320,6 +320,7 @@ def test_prepare_with_regeneration_inside_a_running_event_loop(tmp_path, sources
     assert asyncio.run(main()).report["kept"]["train"] == 35
 
 
+@pytest.mark.slow
 def test_prepare_on_object_storage(s3, sources, encoder):
     """The same code on a real S3 endpoint (moto on loopback): temp object, move, reuse, load."""
     import s3fs
@@ -340,6 +341,7 @@ def test_prepare_on_object_storage(s3, sources, encoder):
     assert prepare(data_section(sources), lay, encoder, storage_options=options).reused
 
 
+@pytest.mark.slow
 def test_demo_recipe_on_the_pip_corpora(smollm2_dir, tmp_path):
     """The shipped CPU demo recipe end to end (real chatterbot + chitchat data, real tokenizer)."""
     from draftflow.data.prepare import prepare_recipe

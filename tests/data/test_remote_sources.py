@@ -49,6 +49,7 @@ def _recipe(tmp_path: Path, model: Path, source: str, store: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_edited_s3_source_names_a_new_data_folder(s3, tmp_path, tiny_llama_dir, monkeypatch):
     options = s3["storage_options"]
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps(options))  # how the CLI passes the store's options
@@ -70,6 +71,7 @@ def test_edited_s3_source_names_a_new_data_folder(s3, tmp_path, tiny_llama_dir, 
     assert messages and all("other answer" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_a_folder_source_follows_its_listing(s3, tmp_path, tiny_llama_dir, monkeypatch):
     options = s3["storage_options"]
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps(options))
@@ -84,6 +86,7 @@ def test_a_folder_source_follows_its_listing(s3, tmp_path, tiny_llama_dir, monke
     assert fingerprint(recipe, LAYER_IDS) != before
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_credentials")
 def test_s3_source_and_store_read_with_the_stores_options_alone(s3, tmp_path, tiny_llama_dir):
     options = s3["storage_options"]
@@ -103,6 +106,7 @@ def test_s3_source_and_store_read_with_the_stores_options_alone(s3, tmp_path, ti
     assert fingerprint(recipe, LAYER_IDS, options) != before
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_credentials")
 def test_an_unreadable_s3_source_fails_the_fingerprint_naming_the_field(
     s3, tmp_path, tiny_llama_dir, monkeypatch

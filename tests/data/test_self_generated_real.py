@@ -94,6 +94,7 @@ def first_run(first_run_progress) -> Plan:
     return first_run_progress[0]
 
 
+@pytest.mark.slow
 def test_self_generated_preparation_is_clean_and_counts_every_drop(first_run):
     report, conversations = prepared(first_run)
     generation = report["self_generated"][LABEL]
@@ -125,6 +126,7 @@ def test_self_generated_preparation_is_clean_and_counts_every_drop(first_run):
             assert estimated_jaccard(signatures[i], signatures[j]) < 0.7, (prompts[i], prompts[j])
 
 
+@pytest.mark.slow
 def test_prompt_progress_counts_the_attempts_made_not_the_whole_budget(first_run_progress):
     plan, snapshots = first_run_progress
     prompts = [s for s in snapshots if s.label == "self-generating prompts"]
@@ -137,6 +139,7 @@ def test_prompt_progress_counts_the_attempts_made_not_the_whole_budget(first_run
     assert all(s.total is not None and s.done <= s.total <= 32 for s in prompts)
 
 
+@pytest.mark.slow
 def test_kill_during_generation_then_resume_generates_only_the_rest_and_same_seed_same_data(
     first_run, plain_server, smollm2_dir, tmp_path
 ):
@@ -181,6 +184,7 @@ def test_kill_during_generation_then_resume_generates_only_the_rest_and_same_see
     )
 
 
+@pytest.mark.slow
 def test_target_that_writes_nothing_usable_stops_with_a_clear_error(plain_server, smollm2_dir, tmp_path):
     # 4 tokens are never enough for SmolLM2's questions: every attempt is truncated.
     plan = Plan.load(
@@ -195,6 +199,7 @@ def test_target_that_writes_nothing_usable_stops_with_a_clear_error(plain_server
     assert not Path(plan.data.prepare_report).exists()
 
 
+@pytest.mark.slow
 def test_generation_server_launched_for_an_fp8_store_computes_in_a_dtype_vllm_serves(
     vllm_servers, vllm_python, smollm2_dir, tmp_path
 ):

@@ -41,6 +41,7 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
+@pytest.mark.slow
 def test_no_eval_prompt_appears_in_the_training_sources():
     """Every conversation the pip-shipped sources hold (a superset of any prepared training set drawn
     from them), and the demo recipe's selected training conversations: no eval prompt equal after

@@ -104,6 +104,7 @@ def listing(fs, url: str) -> list[str]:
 ABSOLUTE_PATH = re.compile(r"(?:^|[\s`'\"(\[])(/[\w.-]+/[^\s`'\")\]]*)", re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(
     exported, tmp_path, bucket, tiny_llama_dir
 ):
@@ -129,6 +130,7 @@ def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(
     assert "data fingerprint `test-fp`" in card and re.search(r"recipe fingerprint `[0-9a-f]{16}`", card)
 
 
+@pytest.mark.slow
 def test_a_hub_verifier_is_named_and_served_by_its_id(exported, tmp_path, bucket):
     recipe = yaml.safe_load((exported / EXPORT_RECIPE).read_text())
     recipe["target"] = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "main"}
@@ -141,6 +143,7 @@ def test_a_hub_verifier_is_named_and_served_by_its_id(exported, tmp_path, bucket
     assert f"vllm serve ./publish-core-{published.version}" in card  # after copying it from S3
 
 
+@pytest.mark.slow
 def test_publishing_refuses_a_report_measured_on_other_bytes(exported, tmp_path, bucket):
     destination, fs = bucket
     report = report_for(exported, tmp_path / "eval")
@@ -155,6 +158,7 @@ def test_publishing_refuses_a_report_measured_on_other_bytes(exported, tmp_path,
     assert listing(fs, destination.url) == [] and not (exported / MODEL_CARD).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["disagree", "contract"])
 def test_publishing_needs_agreement_and_contract_not_only_the_gate(exported, tmp_path, bucket, case):
     destination, fs = bucket
@@ -200,6 +204,7 @@ def test_hub_repos_are_private_unless_the_destination_says_otherwise(exported, t
     assert [c[2]["private"] for c in hub.calls if c[0] == "create_repo"] == [True, False]
 
 
+@pytest.mark.slow
 def test_the_publish_command(exported, tmp_path, s3):
     url = f"{s3['url']}/cli-{uuid.uuid4().hex[:8]}"
     env = {

@@ -2,7 +2,7 @@
 
 Only one vLLM server may run on this host at a time: the server comes from the session-wide
 `vllm_servers` fixture, which returns the running one when the settings are the same, so every
-module here shares a single server (~30 s to start).
+module here (and tests/prefect) shares a single server (~30 s to start).
 """
 
 from __future__ import annotations
@@ -23,15 +23,9 @@ def _fresh_verified_cache():
     forget_verified()
 
 
-@pytest.fixture(scope="session")
-def staging_dir(tmp_path_factory) -> Path:
-    """Where the test server writes hidden-state files (shared with the tests: same host)."""
-    return tmp_path_factory.mktemp("hidden-state-staging")
-
-
 @pytest.fixture(scope="module")
 def extraction_server(vllm_servers, smollm2_dir: Path, staging_dir: Path):
-    """SmolLM2 (fp32, CPU) extracting LAYER_IDS; shared by every module of this folder."""
+    """SmolLM2 (fp32, CPU) extracting LAYER_IDS; the pool's, shared by every test that asks for it."""
     return vllm_servers.get(
         smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(staging_dir), max_model_len=1024
     )

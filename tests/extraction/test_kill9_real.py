@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from extraction_helpers import copy_prepared, write_recipe_file
+from fault_series import kills, report
 from safetensors import safe_open
 
 from draftflow import paths
@@ -28,7 +29,7 @@ from draftflow.vllm.hidden_states_file import discard_hidden_states
 
 pytestmark = pytest.mark.slow
 
-TRIALS = 10
+TRIALS = kills(10)
 DRAFTFLOW = Path(sys.executable).with_name("draftflow")  # the installed console script
 
 
@@ -93,7 +94,9 @@ def test_sigkill_at_random_points_then_rerun(
     for trial in range(TRIALS):
         store_dir, store = fresh(trial)
         proc, began = start_extract(recipe, store_dir)
-        time.sleep(max(0.0, began + rng.uniform(0, window) - time.monotonic()))
+        # The suite's one kill lands mid-window; the series draws its instants at random.
+        at = rng.uniform(0, window) if TRIALS > 1 else window / 2
+        time.sleep(max(0.0, began + at - time.monotonic()))
         proc.kill()  # SIGKILL: no handler, no cleanup
         proc.wait()
         proc.stderr.close()
@@ -107,12 +110,17 @@ def test_sigkill_at_random_points_then_rerun(
         assert assert_nothing_partial(store, set(expected)) == 4
         assert reconcile(store, expected_samples(template, store), 4).done
 
-    assert partial >= 2, f"only {partial} of {TRIALS} kills landed between two commits: window {window:.1f}s"
+    if TRIALS > 1:
+        assert partial >= 2, (
+            f"only {partial} of {TRIALS} kills landed between two commits: window {window:.1f}s"
+        )
     # Requests in flight when a client died leave files nobody reads (reported, then cleaned up).
     leftovers = [p for p in staging_dir.iterdir() if p.suffix == ".safetensors"]
     for path in leftovers:
         discard_hidden_states(str(path), lock_timeout_s=30)
-    print(
-        f"kill -9: {partial}/{TRIALS} kills between commits, window {window:.1f}s, "
-        f"{len(leftovers)} staging files left by killed clients"
+    report(
+        "kill -9 of `draftflow extract` (tests/extraction/test_kill9_real.py)",
+        TRIALS,
+        f"{partial} between commits, window {window:.1f}s, 0 lost, 0 duplicated, 0 partial visible, "
+        f"{len(leftovers)} staging files left by killed clients",
     )

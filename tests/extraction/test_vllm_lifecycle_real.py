@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 from extraction_helpers import launch_recipe_dict
+from fault_series import kills, report
 from test_kill9_real import assert_nothing_partial
 
 from draftflow.data.prepare import prepare_recipe
@@ -32,7 +33,7 @@ from draftflow.vllm.launch import free_port
 pytestmark = pytest.mark.slow
 
 DRAFTFLOW = Path(sys.executable).with_name("draftflow")
-KILLS = 5
+KILLS = kills(5)
 
 
 def processes_of(home: Path) -> dict[int, str]:
@@ -124,9 +125,9 @@ def healthy(port: int) -> bool:
         return False
 
 
-def test_cli_killed_five_times_leaves_no_server_and_the_data_intact(launch_run):
-    """kill -9 of the CLI at random instants (server start-up or extraction): the server it launched
-    goes with it, and a final run completes the store with every sample exactly once."""
+def test_a_killed_cli_leaves_no_server_and_the_data_intact(launch_run):
+    """kill -9 of the CLI at random instants (server start-up or extraction; the suite's one kill
+    lands during extraction, bench/faults.py runs the series of 5): the server it launched goes with it, and a final run completes the store with every sample exactly once."""
     run = launch_run
     rng = random.Random(int(os.environ.get("DRAFTFLOW_CRASH_SEED", "12")))
     store = Store(run.plan.data)
@@ -134,7 +135,7 @@ def test_cli_killed_five_times_leaves_no_server_and_the_data_intact(launch_run):
     for trial in range(KILLS):
         log = run.dir / f"kill-{trial}.log"
         proc = run.start(log.name)
-        if trial % 2:  # during extraction: a random instant after the first shards went out
+        if trial % 2 or KILLS == 1:  # during extraction: a random instant after the first shards went out
             wait_for(lambda log=log: "extract:" in log.read_text(), 900, "extraction", proc)
             time.sleep(rng.uniform(0, 6))
         else:  # anywhere from the lock and the launch (~15 s) to the first requests
@@ -155,9 +156,10 @@ def test_cli_killed_five_times_leaves_no_server_and_the_data_intact(launch_run):
     assert ids == run.expected and len(set(ids)) == len(ids)  # nothing lost, nothing twice
     assert verify(store).ok  # nothing corrupt
     assert wait_until_gone(run.home) == {} and records(run.home) == []
-    print(
-        f"kill -9 of the CLI with a launched server: {KILLS} trials ({landed}), "
-        f"{len(ids)}/{len(run.expected)} samples, 0 lost, 0 duplicated, 0 corrupt, no server left"
+    report(
+        "kill -9 of the CLI with its launched server (tests/extraction/test_vllm_lifecycle_real.py)",
+        KILLS,
+        f"{landed}, {len(ids)}/{len(run.expected)} samples, 0 lost, 0 duplicated, 0 corrupt, no server left",
     )
 
 

@@ -86,6 +86,7 @@ def test_range_attention_dense_equals_naive_and_chunking_does_not_matter():
         assert torch.isinf(lse[hi <= lo]).all() and torch.isfinite(lse[hi > lo]).all()
 
 
+@pytest.mark.slow
 def test_range_attention_flex_equals_dense_forward():
     # PyTorch has no CPU backward for flex_attention; the CPU test covers the forward (eager,
     # unfused); on GPU the same call is compiled and block-sparse.

@@ -189,8 +189,9 @@ def import_flow_name(spec: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def prefect_staging_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("prefect-hidden-state-staging")
+def prefect_staging_dir(staging_dir: Path) -> Path:
+    """The extraction server's staging folder: the same server as tests/extraction's."""
+    return staging_dir
 
 
 @pytest.fixture

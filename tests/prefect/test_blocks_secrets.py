@@ -33,6 +33,7 @@ def planted(what: str) -> str:
     return f"planted-{what}-{uuid.uuid4().hex}"
 
 
+@pytest.mark.slow
 def test_blocks_register_save_load_keep_secrets_secret(prefect_server, capsys):
     from prefect.client.orchestration import get_client
 

@@ -165,6 +165,7 @@ def test_worker_killed_mid_shard_reruns_it_without_duplicates(
     print(f"killed worker pid {killed[0]} mid-shard {HELD}; re-ran on {held}; task states {states}")
 
 
+@pytest.mark.slow
 def test_dead_scheduler_address_fails_first_naming_the_field(
     prefect_server, smollm2_dir: Path, tmp_path: Path
 ):

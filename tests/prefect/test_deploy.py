@@ -28,6 +28,7 @@ def read_deployment(name: str):
         return deployment, client.read_work_pool(deployment.work_pool_name)
 
 
+@pytest.mark.slow
 def test_deploy_creates_then_updates_a_scheduled_deployment(prefect_server, tmp_path: Path, capsys):
     fork = tmp_path / "my-recipe.yaml"
     assert cli_main(["recipes", "cp", "smollm2-135m-dflash-cpu", str(fork)]) == 0
@@ -93,6 +94,7 @@ def test_deploy_creates_then_updates_a_scheduled_deployment(prefect_server, tmp_
     assert cli_main(["deploy", str(fork), "--pool", pool, "--flow", "train", "--destination-block", "x"]) == 2
 
 
+@pytest.mark.slow
 def test_a_multinode_recipe_gets_one_train_deployment_per_node(prefect_server, tmp_path: Path, capsys):
     from flows.stages import train
 
@@ -135,6 +137,7 @@ def test_a_multinode_recipe_gets_one_train_deployment_per_node(prefect_server, t
         train(str(fork), overrides, node_rank=1)
 
 
+@pytest.mark.slow
 def test_shipped_prefect_yaml(prefect_server):
     from prefect.cli.deploy._models import PrefectYamlModel
 

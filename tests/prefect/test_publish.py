@@ -39,6 +39,7 @@ def listing(fs, url: str) -> list[str]:
     return sorted(p.removeprefix(root + "/") for p in fs.find(root))
 
 
+@pytest.mark.slow
 def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, tmp_path: Path):
     name, url, fs = destination
     recipe = write_publish_recipe(tmp_path / "recipe.yaml", tiny_llama_dir)
@@ -61,6 +62,7 @@ def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, 
     assert listing(fs, url) == files
 
 
+@pytest.mark.slow
 def test_failed_gate_pushes_nothing(destination, tiny_llama_dir: Path, tmp_path: Path):
     name, url, fs = destination
     recipe = write_publish_recipe(tmp_path / "recipe.yaml", tiny_llama_dir)

@@ -10,7 +10,7 @@ import pytest
 
 from draftflow.store import Store, forget_verified
 
-BACKENDS = ["local", "shm", "s3"]
+BACKENDS = ["local", "shm", pytest.param("s3", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(autouse=True)

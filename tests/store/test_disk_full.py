@@ -65,6 +65,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_write_stopped_by_a_file_size_limit_leaves_no_file(tmp_path: Path):
     root = tmp_path / "data"
     done = subprocess.run(

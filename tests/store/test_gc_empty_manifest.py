@@ -29,7 +29,7 @@ def _lose_manifest(store, n: int = 3) -> list[str]:
     return _shards(store)
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_an_empty_manifest_with_objects_is_refused_unless_forced(make_store, backend):
     store = make_store(backend)
     shards = _lose_manifest(store)

@@ -51,7 +51,7 @@ def test_grace_below_the_commit_deadline_is_refused(local_store, capsys):
     assert gc(local_store, grace_s=MIN_GC_GRACE_S).orphan_shards == ()
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_fast_host_clock_does_not_age_objects(make_store, backend, monkeypatch):
     """The gc host's clock runs a day ahead: a shard uploaded a moment ago, whose fragment is still
     to come, is young on the store's clock and stays."""

@@ -60,7 +60,7 @@ def count_reads(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
-@pytest.mark.parametrize("backend", ["local", "s3"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_one_sample_is_one_range_read(backend, dtype, make_store, count_reads, monkeypatch):
     store = make_store(backend)
     make = syn.fp8_sample if dtype.startswith("float8") else syn.sample

@@ -53,7 +53,7 @@ def test_same_size_same_mtime_rewrite_is_hashed_again(make_store, backend):
     assert found.complete_shards == ("000000",)
 
 
-@pytest.mark.parametrize("backend", ["local", "shm", "s3"])
+@pytest.mark.parametrize("backend", ["local", "shm", pytest.param("s3", marks=pytest.mark.slow)])
 def test_verified_shards_are_not_hashed_again_while_unchanged(make_store, monkeypatch, backend):
     import draftflow.store.verify_cache as verify_cache
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -41,6 +42,7 @@ def _records(*bests: tuple[int, float]) -> list[dict]:
     return [{"step": s, "val_tau": t, "best_step": s, "best_val_tau": t} for s, t in bests]
 
 
+@pytest.mark.slow
 def test_a_crash_while_rewriting_the_best_weights_keeps_the_previous_best_whole(tmp_path):
     """A resumed run validates step 4 again and rewrites its best weights; the process dies in the middle
     of that write (the kernel's file-size limit kills it with SIGXFSZ, as a kill -9 or a full disk would

@@ -94,7 +94,10 @@ def test_bad_multinode_input_is_one_line_before_anything_starts(train_recipe, ca
     assert not (train_recipe.parent / "runs").exists()
 
 
-def test_a_run_dir_on_an_object_store_needs_no_declaration(train_recipe, capsys):
+def test_a_run_dir_on_an_object_store_needs_no_declaration(train_recipe, capsys, monkeypatch):
+    # Credentials of its own: the check for them runs before the command is printed.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test-secret")
     code, out, err = _cli(
         capsys, train_recipe, *MULTINODE, "--set", "training.run_dir=s3://team/runs", "--print-command"
     )

@@ -55,6 +55,7 @@ def _lease(lock: RunLock) -> dict:
     return json.loads(lock.fs.cat_file(lock.path))
 
 
+@pytest.mark.slow
 def test_renewal_survives_transient_store_errors(s3_layout, monkeypatch):
     lock = RunLock(s3_layout)
     lock.acquire()
@@ -71,6 +72,7 @@ def test_renewal_survives_transient_store_errors(s3_layout, monkeypatch):
     assert not lock.fs.exists(lock.path)
 
 
+@pytest.mark.slow
 def test_a_lease_taken_by_another_trainer_is_noticed_and_left_alone(s3_layout):
     lock = RunLock(s3_layout)
     lock.acquire()
@@ -91,6 +93,7 @@ def test_a_lease_taken_by_another_trainer_is_noticed_and_left_alone(s3_layout):
     assert _lease(lock)["token"] == other["token"], "releasing removed the other trainer's lease"
 
 
+@pytest.mark.slow
 def test_a_trainer_that_cannot_renew_gives_up_before_its_lease_expires(s3_layout, monkeypatch):
     lock = RunLock(s3_layout)
     lock.acquire()

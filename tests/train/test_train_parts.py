@@ -83,7 +83,7 @@ def _train_steps(model, opt, sched, n):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_checkpoint_roundtrip_resumes_bit_identically(tmp_path, where, request, monkeypatch):
     root = str(tmp_path) if where == "local" else request.getfixturevalue("s3")["url"] + "/ckpt-test"
     if where == "s3":
@@ -173,6 +173,7 @@ shutdown(runtime)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_core", [False, True], ids=["all-cores", "taskset-one-core"])
 def test_cpu_ranks_of_different_nodes_each_get_their_nodes_cores(one_core):
     """Two nodes of one process each (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1): a rank shares its
@@ -236,6 +237,7 @@ def test_settings_added_later_are_compared_and_runs_recorded_before_them_still_r
         check_settings(layout, changed)
 
 
+@pytest.mark.slow
 def test_a_cpu_trainer_reuses_freed_memory_instead_of_page_faulting_it_again():
     """A training step frees and re-allocates the same large tensors every step. glibc serves
     allocations above its mmap threshold (at most 32 MiB by default) with fresh pages that

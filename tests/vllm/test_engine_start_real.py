@@ -12,6 +12,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -22,6 +24,7 @@ def _listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow
 def test_a_killed_api_server_frees_its_port_though_its_forked_engine_core_lives_on(vllm_servers, smollm2_dir):
     # Through the session's server pool: one vLLM server at a time on a CPU host (the launcher's
     # host lock makes a second launch wait for the first to stop).
