@@ -26,7 +26,9 @@ if [[ "$("$UV" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
   "$PY" -m venv --clear "$UV_HOME"
   "$UV_HOME/bin/pip" install -q "uv==$UV_VERSION" 2>&1 | grep -v -e "is ignored: it is neither" -e "^$" || true
 fi
-export UV_PYTHON="$PY" UV_PYTHON_DOWNLOADS=never UV_LINK_MODE=copy
+# Bytecode compiled at install (pip's default, not uv's): with PYTHONDONTWRITEBYTECODE set, as on
+# many CI hosts, every process would otherwise compile torch, transformers and vLLM from source.
+export UV_PYTHON="$PY" UV_PYTHON_DOWNLOADS=never UV_LINK_MODE=copy UV_COMPILE_BYTECODE=1
 
 project_stamp=$(stamp_of uv.lock pyproject.toml requirements/pip-assets.txt)
 if [[ "$(cat .venv/.draftflow-stamp 2>/dev/null)" != "$project_stamp" ]]; then
