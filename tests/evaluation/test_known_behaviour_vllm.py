@@ -105,6 +105,9 @@ def counts(report):
     }
 
 
+@pytest.mark.slow_ok(
+    reason="the first one sets up the module: four evaluations in vLLM, five server start-ups"
+)
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dflash-served-2"])
 def test_vllm_counters_equal_the_simulator_exactly(run, kind):
     ev = run[kind].evaluation

@@ -163,6 +163,7 @@ def test_a_killed_cli_leaves_no_server_and_the_data_intact(launch_run):
     )
 
 
+@pytest.mark.slow_ok(reason="three vLLM start-ups: the orphan, its replacement, the restart after a kill")
 def test_orphan_is_stopped_not_adopted_and_a_server_killed_mid_run_is_restarted(launch_run):
     run = launch_run
     # 1. An orphan: freeze the watchdog (so it cannot act on its launcher's death), kill the CLI.

@@ -38,6 +38,7 @@ def api_server_pids(pgid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow_ok(reason="two vLLM start-ups per runner (the launch, the restart), and a Dask cluster")
 @pytest.mark.parametrize("runner", ["threads", "dask"])
 def test_extract_flow_restarts_a_launched_server_killed_mid_run(
     prefect_server, vllm_servers, vllm_python, smollm2_dir: Path, tmp_path: Path, monkeypatch, runner: str

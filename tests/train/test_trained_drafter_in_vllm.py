@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 EOS = 2
 
 
+@pytest.mark.slow_ok(reason="trains a DFlash drafter with torchrun, then serves it in vLLM")
 def test_trained_dflash_is_lossless_in_vllm_with_non_zero_acceptance(train_dir, smollm2_dir, vllm_servers):
     recipe = str(train_dir / "recipe.yaml")
     settings = ["--set", "training.epochs=6", "--set", "training.lr=3e-3", "--set", "drafter.max_anchors=64"]
