@@ -73,19 +73,8 @@ class Census:
             self.starts.append(Start(kind, proc.pid if proc else None, self.current))
 
     def look(self) -> None:
-        try:
-            children = psutil.Process().children(recursive=True)
-        except psutil.Error:
-            return
-        for child in children:
-            try:
-                if (child.pid, child.create_time()) in self._seen:
-                    continue
-                kind = server_kind(child.cmdline())
-            except psutil.Error:
-                continue
-            if kind:
-                self.record(kind, child)
+        for child, kind in _servers_now(skip=self._seen):
+            self.record(kind, child)
 
     def run(self) -> None:
         while not self._stop.wait(CENSUS_INTERVAL_S):
@@ -97,14 +86,27 @@ class Census:
 
     def live_vllm_servers(self) -> list[psutil.Process]:
         """vLLM api_servers among this process's descendants now."""
-        found = []
-        for child in psutil.Process().children(recursive=True):
-            try:
-                if server_kind(child.cmdline()) == "vLLM":
-                    found.append(child)
-            except psutil.Error:
+        return [child for child, kind in _servers_now() if kind == "vLLM"]
+
+
+def _servers_now(skip: set[tuple[int, float]] = frozenset()) -> list[tuple[psutil.Process, str]]:
+    """(process, kind) of each server among this process's live descendants, but those in `skip`
+    (pid, start time)."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        try:
+            if (child.pid, child.create_time()) in skip:
                 continue
-        return found
+            kind = server_kind(child.cmdline())
+        except psutil.Error:
+            continue
+        if kind:
+            found.append((child, kind))
+    return found
 
 
 CENSUS = Census()
