@@ -188,6 +188,22 @@ def staging_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hidden-state-staging")
 
 
+@pytest.fixture(scope="module")
+def extraction_server(vllm_servers, smollm2_dir: Path, staging_dir: Path):
+    """SmolLM2 (fp32, CPU) extracting LAYER_IDS into `staging_dir`: the pool's, so every module that
+    asks for it (tests/extraction, tests/prefect, ...) shares one server."""
+    from extraction_helpers import LAYER_IDS
+
+    return vllm_servers.get(
+        smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(staging_dir), max_model_len=1024
+    )
+
+
+@pytest.fixture
+def extraction_endpoint(extraction_server) -> str:
+    return extraction_server.url
+
+
 # Modules that use the same pooled server run back to back (fewest start-ups); within a module
 # the order is the file's. Whole modules move, so module-scoped fixtures are set up once. Modules
 # on `prefect_harness` run after those on `prefect_server`: once entered, the harness points this

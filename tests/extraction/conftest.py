@@ -1,8 +1,6 @@
 """Fixtures for the extraction tests: one SmolLM2 extraction server and tiny recipes that use it.
 
-Only one vLLM server may run on this host at a time: the server comes from the session-wide
-`vllm_servers` fixture, which returns the running one when the settings are the same, so every
-module here (and tests/prefect) shares a single server (~30 s to start).
+The server is `extraction_server` (tests/conftest.py): the pool's, shared with tests/prefect.
 """
 
 from __future__ import annotations
@@ -10,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from extraction_helpers import LAYER_IDS, write_recipe_file
+from extraction_helpers import write_recipe_file
 
 from draftflow.store import forget_verified
 
@@ -21,14 +19,6 @@ def _fresh_verified_cache():
     forget_verified()
     yield
     forget_verified()
-
-
-@pytest.fixture(scope="module")
-def extraction_server(vllm_servers, smollm2_dir: Path, staging_dir: Path):
-    """SmolLM2 (fp32, CPU) extracting LAYER_IDS; the pool's, shared by every test that asks for it."""
-    return vllm_servers.get(
-        smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(staging_dir), max_model_len=1024
-    )
 
 
 @pytest.fixture

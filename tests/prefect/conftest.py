@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from extraction_helpers import LAYER_IDS
 from prefect_helpers import HERE, PREFECT, REPO, stop_group  # first: puts tests/extraction on sys.path
 
 from draftflow.vllm.launch import free_port
@@ -186,22 +185,3 @@ def import_flow_name(spec: str) -> str:
 
     module, attribute = spec.split(":")
     return getattr(import_module(module), attribute).name
-
-
-@pytest.fixture(scope="session")
-def prefect_staging_dir(staging_dir: Path) -> Path:
-    """The extraction server's staging folder: the same server as tests/extraction's."""
-    return staging_dir
-
-
-@pytest.fixture
-def extraction_server(vllm_servers, smollm2_dir: Path, prefect_staging_dir: Path):
-    """The SmolLM2 extraction server (fp32, layers LAYER_IDS), one at a time on this host."""
-    return vllm_servers.get(
-        smollm2_dir, extract_layer_ids=LAYER_IDS, staging_dir=str(prefect_staging_dir), max_model_len=1024
-    )
-
-
-@pytest.fixture
-def extraction_endpoint(extraction_server) -> str:
-    return extraction_server.url

@@ -118,7 +118,7 @@ def test_planted_secrets_never_leak(
     smollm2_dir: Path,
     tiny_llama_dir: Path,
     tmp_path: Path,
-    prefect_staging_dir: Path,
+    staging_dir: Path,
 ):
     from prefect.client.orchestration import get_client
 
@@ -155,7 +155,7 @@ def test_planted_secrets_never_leak(
         str(tmp_path / "unused-store"),
         "http://127.0.0.1:9",
         name="prefect-secrets",  # endpoints and store: from the blocks
-        staging=str(prefect_staging_dir),
+        staging=str(staging_dir),
     )
     publish_recipe = write_publish_recipe(tmp_path / "publish.yaml", tiny_llama_dir)
     checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path / "ckpt", tau=1.5)

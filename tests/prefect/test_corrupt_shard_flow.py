@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_flipped_bit_is_repaired_by_the_extract_flow(
-    prefect_server, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+    prefect_server, extraction_endpoint, staging_dir, smollm2_dir: Path, tmp_path: Path
 ):
     from flows.stages import extract
 
@@ -26,7 +26,7 @@ def test_flipped_bit_is_repaired_by_the_extract_flow(
         str(tmp_path / "store"),
         extraction_endpoint,
         name="prefect-bitflip",
-        staging=str(prefect_staging_dir),
+        staging=str(staging_dir),
     )
     assert extract(recipe)["failed"] == 0
     store = Store(Plan.load(recipe).data)

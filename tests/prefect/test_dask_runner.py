@@ -64,7 +64,7 @@ def _shard_task_states(flow_run_id) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_shards_spread_over_the_local_cluster_workers(
-    prefect_server, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+    prefect_server, extraction_endpoint, staging_dir, smollm2_dir: Path, tmp_path: Path
 ):
     from flows.stages import extract
 
@@ -72,7 +72,7 @@ def test_shards_spread_over_the_local_cluster_workers(
         tmp_path,
         smollm2_dir,
         extraction_endpoint,
-        prefect_staging_dir,
+        staging_dir,
         "prefect-dask-local",
         {"task_runner": "dask", "workers": 2},
     )
@@ -101,7 +101,7 @@ def test_shards_spread_over_the_local_cluster_workers(
 def test_worker_killed_mid_shard_reruns_it_without_duplicates(
     prefect_server,
     extraction_endpoint,
-    prefect_staging_dir,
+    staging_dir,
     smollm2_dir: Path,
     tmp_path: Path,
     monkeypatch,
@@ -123,7 +123,7 @@ def test_worker_killed_mid_shard_reruns_it_without_duplicates(
             tmp_path,
             smollm2_dir,
             extraction_endpoint,
-            prefect_staging_dir,
+            staging_dir,
             "prefect-dask-kill",
             {"task_runner": "dask", "address": cluster.scheduler_address},
         )

@@ -28,7 +28,7 @@ def scheduled_runs(deployment_name: str) -> list:
 
 
 def test_interval_schedule_fires_and_completes(
-    prefect_server, start_runner, extraction_endpoint, prefect_staging_dir, smollm2_dir: Path, tmp_path: Path
+    prefect_server, start_runner, extraction_endpoint, staging_dir, smollm2_dir: Path, tmp_path: Path
 ):
     recipe = write_tiny_recipe(
         tmp_path / "recipe.yaml",
@@ -36,7 +36,7 @@ def test_interval_schedule_fires_and_completes(
         str(tmp_path / "store"),
         extraction_endpoint,
         name="prefect-scheduled",
-        staging=str(prefect_staging_dir),
+        staging=str(staging_dir),
     )
     plan = Plan.load(recipe)
     assert run_extraction(plan).ok  # the nightly case: the store is already complete

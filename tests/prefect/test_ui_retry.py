@@ -25,7 +25,7 @@ def test_retry_from_ui_reextracts_only_the_failed_shards(
     prefect_server,
     start_runner,
     extraction_endpoint,
-    prefect_staging_dir,
+    staging_dir,
     smollm2_dir: Path,
     tmp_path: Path,
     runner: str,
@@ -37,7 +37,7 @@ def test_retry_from_ui_reextracts_only_the_failed_shards(
         str(tmp_path / "store"),
         extraction_endpoint,
         name=name,
-        staging=str(prefect_staging_dir),
+        staging=str(staging_dir),
         prefect={"task_runner": "dask", "workers": 2} if runner == "dask" else None,
     )
     served = start_runner(
