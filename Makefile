@@ -47,7 +47,7 @@ bench: bootstrap
 	.venv/bin/python bench/train.py
 	.venv/bin/python bench/peer_train.py
 
-# Does the drafter pay? The quality recipe end to end (~37 min on 2-core host B, 54 on host C: README),
+# Does the drafter pay? The quality recipe end to end (33-54 min on a 2-core CPU: docs/benchmarks.md),
 # then τ per category and decode speed with and without the drafter in vLLM (3 rounds). ABLATION=1
 # runs the demo recipe instead, and the same budget on chitchat/chatterbot data beside it.
 bench-quality: bootstrap

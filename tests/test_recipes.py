@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,21 @@ def test_every_shipped_recipe_validates():
         first = path.read_text().splitlines()[0]
         assert first.startswith("#"), f"{path} must start with a comment saying how to run it"
         assert "draftflow" in path.read_text().split("\nname:")[0], f"{path}: header lacks the run command"
+
+
+HEADER_LINES = 8  # what it is for, hardware, wall time and result, how to run and fork it
+
+
+def test_recipe_headers_are_short_and_carry_no_measurement_history():
+    """Figures and their history live on the benchmarks page: a header is at most 8 comment lines,
+    with no dates and no host names."""
+    for path in all_recipe_files(REPO / "recipes"):
+        lines = path.read_text().splitlines()
+        header = list(itertools.takewhile(lambda line: line.startswith("#"), lines))
+        assert len(header) <= HEADER_LINES, f"{path}: {len(header)} header lines (at most {HEADER_LINES})"
+        text = "\n".join(header)
+        assert not re.search(r"20\d\d-\d\d-\d\d", text), f"{path}: a date in the header"
+        assert not re.search(r"\bhosts? [A-C]\b", text), f"{path}: a host name in the header"
 
 
 @pytest.mark.parametrize(
