@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTEST_ARGS ?=
 DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu-demo.yaml
 
-.PHONY: bootstrap demo lint test test-fast test-faults test-recipes bench bench-quality
+.PHONY: bootstrap demo lint docs docs-build test test-fast test-faults test-recipes bench bench-quality
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -18,11 +18,20 @@ lint: bootstrap
 	.venv/bin/ruff format --check .
 	.venv/bin/ruff check .
 
+# The docs site (mkdocs.yml, pages under docs/): `make docs` serves it at http://127.0.0.1:8000;
+# `make test` builds it with --strict (a broken link or anchor fails). The recipe and command
+# references under docs/reference are generated: scripts/gen_reference.py (a test fails when stale).
+export NO_MKDOCS_2_WARNING := 1
+docs: bootstrap
+	.venv/bin/mkdocs serve
+docs-build: bootstrap
+	.venv/bin/mkdocs build --strict --quiet --site-dir .site
+
 # The fast tests first (no server, no long training: a broken import fails in two minutes), then
 # the slow ones; scripts/suite_budget.py then fails a fast test over 5 s or any test over 120 s
 # without @pytest.mark.slow_ok(reason=...), and prints the slowest and the server start-ups.
 REPORTS := .pytest-report
-test: bootstrap lint
+test: bootstrap lint docs-build
 	.venv/bin/python -m pytest -m "not slow" --suite-report=$(REPORTS)/fast.json $(PYTEST_ARGS)
 	.venv/bin/python -m pytest -m slow --suite-report=$(REPORTS)/slow.json $(PYTEST_ARGS)
 	.venv/bin/python scripts/suite_budget.py $(REPORTS)/fast.json $(REPORTS)/slow.json

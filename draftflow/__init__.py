@@ -3,4 +3,4 @@
 Nothing in this package imports Prefect; `tasks/` and `flows/` wrap it.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -6,9 +6,11 @@ flow-backed commands on top of it, keeping imports one-way (core <- tasks <- flo
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from draftflow.cli import add_overrides, build_parser, run
+from draftflow.cli import add_overrides, run
+from draftflow.cli import build_parser as build_core_parser
 
 
 def _pipeline(args) -> int:
@@ -95,9 +97,7 @@ def _add_deploy(sub) -> None:
     p.set_defaults(func=_deploy)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    sub = next(a for a in parser._subparsers._group_actions)  # the sub-command action
+def _add_flows(sub) -> None:
     for name, help_text in (
         ("pipeline", "run every stage of a recipe as a Prefect flow"),
         ("demo", "the `make demo` job: `pipeline` on the default recipe"),
@@ -112,7 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         func=_blocks_register
     )
     _add_deploy(sub)
-    return run(parser, argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `draftflow` command: the core's sub-commands and the Prefect ones (pipeline, demo,
+    blocks, deploy). The reference page (scripts/gen_reference.py) is generated from this."""
+    return build_core_parser(extra=(_add_flows,))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

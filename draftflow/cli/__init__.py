@@ -8,21 +8,30 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterable
 
+from draftflow import __version__
 from draftflow.process_env import STORAGE_OPTIONS_ENV, storage_options_from_env
 from draftflow.recipe.load import RecipeError
 
 COMMAND_MODULES = ("recipes", "extract", "store", "train", "evaluate", "publish")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    extra: Iterable[Callable[[argparse._SubParsersAction], None]] = (),
+) -> argparse.ArgumentParser:
+    """The core's sub-commands, then each of `extra` given the same sub-command action to add its
+    own (flows.cli adds the Prefect ones: the whole command is flows.cli.build_parser)."""
     parser = argparse.ArgumentParser(
         prog="draftflow",
         description="Train speculative-decoding drafters (DFlash, Eagle3) for vLLM from one recipe YAML.",
     )
+    parser.add_argument("--version", action="version", version=f"draftflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(f"draftflow.cli.{name}").register(sub)
+    for register in extra:
+        register(sub)
     return parser
 
 

@@ -170,10 +170,8 @@ def head_soft_cross_entropy(
     (the CPU trainer) runs the head fused into the loss (:class:`_HeadSoftCrossEntropy`) in
     chunks of ``chunk_rows``; anything else takes that unfused formula.
 
-    512-row chunks, measured (2 threads, SmolLM2's hidden size, draft vocabulary 8,192): 7-9%
-    less head time than 256-row ones at 1,792, 3,584 and 7,168 rows (a matmul of more rows runs
-    at a higher rate); at 448 rows (1k tokens × 64 anchors) one chunk instead of 256 + 192 made
-    the whole step 3.2-3.5% faster (paired, two measurements), for ~30 MB more peak RSS."""
+    512-row chunks rather than 256: a matmul of more rows runs at a higher rate, and a small
+    batch then fits one chunk; the cost is a little more peak memory (bench/train.py)."""
     fused = (
         hidden.dtype == head.weight.dtype == target_probs.dtype == torch.float32
         and head.bias is None

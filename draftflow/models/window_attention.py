@@ -311,10 +311,8 @@ def _chunks_backward(chunks, saved, g: _Grads) -> None:
 def _forward_workers(chunks: list[_Chunk]) -> int:
     """Worker threads for the forward: as for the backward from ``FORWARD_WORKERS_MIN_PAIRS``
     scored pairs up, else 1 (inline: the kernel splits a forward call over query blocks as
-    well as heads). Paired in one process (2 threads): at 8k tokens × 1,024 anchors (33M
-    pairs) the forward took 0.539 s on workers against 0.571 s inline; at 1k × 512 (2.1M)
-    the same; at 1k × 64 (0.3M) 14 ms against 10 ms (starting the threads costs more than
-    the split gains)."""
+    well as heads). Below the threshold starting the threads costs more than the split gains;
+    above it the workers win a little (bench/train.py)."""
     if sum(_cost(c) for c in chunks) < FORWARD_WORKERS_MIN_PAIRS:
         return 1
     return _workers(len(chunks))
@@ -325,8 +323,7 @@ def _workers(n_chunks: int) -> int:
 
     ATen's CPU flash backward splits one call over (batch entry, query head) only: 9 heads on
     2 threads leave one thread idle for a ninth of every call, plus the kernel's own serial
-    parts, so 2 threads ran it only 1.5x faster than 1 (8k tokens × 1,024 anchors); whole
-    chunks on separate threads keep every thread busy. Needs ATen's OpenMP backend, where
+    parts, so a second thread gains far less than 2x; whole chunks on separate threads keep every thread busy. Needs ATen's OpenMP backend, where
     the intra-op thread count belongs to the calling thread."""
     threads = torch.get_num_threads()
     if threads == 1 or n_chunks < 2 or "parallel backend: OpenMP" not in _parallel_info():

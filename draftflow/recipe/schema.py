@@ -139,7 +139,7 @@ class DataSection(Section):
         None,
         description="dtype of the plain server launched to write prompts and replies (default: the "
         "extraction server's; a running server is used as it is). Labels still come from the "
-        "extraction server; bfloat16 writes ~1.5x faster on AVX-512.",
+        "extraction server; bfloat16 writes faster on CPUs with AVX-512 BF16 or AMX.",
     )
 
 
@@ -190,7 +190,7 @@ class DFlashSection(Section):
         ge=1,
         le=1023,
         description="Tokens drafted per step when served, 1..block_size - 1 (None: block_size - 1). Each "
-        "costs a verification slot (~10% of a CPU decode step): bench/quality.py --draft-lengths.",
+        "costs a verification slot in every decode step: bench/quality.py --draft-lengths.",
     )
     max_anchors: int = Field(512, ge=1, le=MAX_TOKENS, description="Blocks sampled per packed sequence.")
     num_layers: int = Field(1, ge=1, le=256)
@@ -209,7 +209,7 @@ class DFlashSection(Section):
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer in backward: far less memory at many anchors "
-        "(H200, 64k tokens x 3,072 anchors: 41 instead of 103 GiB, 1.26x the step time; bench/gpu.py).",
+        "for a longer step (docs/benchmarks.md, GPU training step; bench/gpu.py).",
     )
     init_from_target: bool = Field(
         False, description="Start the decoder layers from the target's last ones, not random weights."

@@ -112,12 +112,9 @@ def reuse_freed_memory() -> bool:
 
     A training step frees and re-allocates the same large tensors every step. glibc maps
     every allocation above its mmap threshold (at most 32 MiB, by default) afresh and unmaps
-    it on free, so each step faults all those pages in again and the kernel zeroes them:
-    ~160,000 page faults and 3% of a 1-thread step at 8k tokens × 1,024 anchors (SmolLM2
-    sizes), none with the heap kept. Costs the process's peak heap staying resident until
-    exit: +5% peak RSS there; at 64k × 3,072 anchors 2.4 million faults and 4.5 s of system
-    time a step without it, peak 4,268 → 4,452 MB with it. False where the C library is not
-    glibc."""
+    it on free, so each step faults all those pages in again and the kernel zeroes them, a
+    cost that grows with the pack. Costs the process's peak heap staying resident until exit
+    (a few percent more peak RSS). False where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

@@ -168,8 +168,8 @@ class ServerStartError(RuntimeError):
 # started while one runs hangs in start-up without an error. CPU launches therefore take
 # this host-wide lock for as long as their server runs, and wait for it (saying so).
 # host_lock=False is for a server started beside one that holds the lock, once that one
-# answers (LaunchServerFactory(side_by_side=True): interleaved speed rounds): with vLLM 0.32 on
-# a 2-core host, a server started beside one that runs came up every time (10 starts, 2026-12-03).
+# answers (LaunchServerFactory(side_by_side=True): interleaved speed rounds): with the pinned vLLM
+# build, a server started beside one that already answers came up in every trial.
 CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
 
 

@@ -144,13 +144,8 @@ def dflash_attention_chunked(
 
 def chunk_queries(lo: Tensor, hi: Tensor) -> int:
     """Queries per chunk for :func:`dflash_attention_chunked`: 1/16 of the mean context
-    window, within [64, 256]. Measured (1 thread, fp32, SmolLM2 shapes, block 8), attention
-    forward + backward: at 1k tokens (mean window ~570) 64 queries beat 128 by 5-8% and 256
-    by 20-25% (64, 256 and 512 anchors); at 8k tokens (~4.6k) 256 beat 128 by 4% and 512 by
-    9%. Short windows want small chunks (the masked share is larger), long ones larger.
-    Again with the blocks' own keys outside the kernel calls (2 threads, 8k × 1,024, each
-    paired against the same baseline): 126, 378, 504 and 770 queries all within 2% of 252,
-    none faster."""
+    window, within [64, 256]. Short windows want small chunks (the masked share of each chunk is
+    larger), long ones larger; nothing between 64 and 512 beat this rule in bench/train.py."""
     mean_window = float((hi - lo).clamp_min(0).float().mean()) if lo.numel() else 0.0
     return int(min(256, max(64, mean_window / 16)))
 
