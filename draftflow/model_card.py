@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from huggingface_hub import ModelCardData
+
 from draftflow.evaluation.report import AcceptanceReport, Evaluation, rounds_text
 from draftflow.recipe.schema import Recipe
 
@@ -60,6 +62,20 @@ def serve_command(
             f"vllm serve ./{verifier.name} --speculative-config '{spec}'",
         ]
     return "\n".join(lines)
+
+
+def hub_metadata(recipe: Recipe, verifier: Verifier, kind: str) -> str:
+    """The card's YAML front matter, which the Hub reads: the verifier as `base_model` (a hub id
+    only: a local folder's name would link to an unrelated repo), the format's library, tags and
+    the recipe's license."""
+    data = ModelCardData(
+        base_model=verifier.name if verifier.is_hub_id else None,
+        library_name="speculators",
+        license=recipe.publish.license,
+        pipeline_tag="text-generation",
+        tags=["speculative-decoding", kind, "draftflow"],
+    )
+    return f"---\n{data.to_yaml()}\n---"
 
 
 def _acceptance_table(reports: list[AcceptanceReport]) -> list[str]:
@@ -149,6 +165,7 @@ def render(
         shown += " (a local copy when trained; the recipe names no hub id)"
     reports = [r for r in (evaluation.offline, evaluation.vllm) if r]
     lines = [
+        hub_metadata(recipe, verifier, kind),
         f"# {recipe.name}: a {kind} drafter for {verifier.name}",
         "",
         f"A speculative-decoding drafter ({kind}, {k} draft tokens per step) for the verifier {shown}, "

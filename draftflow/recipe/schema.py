@@ -414,6 +414,12 @@ class PublishSection(Section):
     destination: str | None = Field(
         None, description="fsspec URL, or hf://OWNER/REPO for the Hugging Face Hub; None = do not push."
     )
+    license: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9.+-]*$",
+        description="License id for the model card's Hub metadata (e.g. apache-2.0, as the Hub lists "
+        "them); None: the card states none.",
+    )
 
 
 class Recipe(Section):

@@ -14,6 +14,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 from known_drafters import dflash_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -118,9 +119,16 @@ def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(
     for local in (str(tmp_path), str(tiny_llama_dir), str(Path.home()), "${"):
         assert local not in card
     prose = re.sub(r"```.*?```", "", card, flags=re.DOTALL)
-    assert prose.count("\n# ") == 0 and card.startswith(
-        f"# publish-core: a dflash drafter for {tiny_llama_dir.name}"
+    assert (
+        prose.count("\n# ") == 1
+        and f"\n---\n# publish-core: a dflash drafter for {tiny_llama_dir.name}" in card
     )
+    # Hub metadata: no base_model for a verifier known only by a local folder's name
+    assert ModelCard(card).data.to_dict() == {
+        "library_name": "speculators",
+        "pipeline_tag": "text-generation",
+        "tags": ["speculative-decoding", "dflash", "draftflow"],
+    }
     assert published.location in card  # the serve command reads the published copy
     assert f"vllm serve ./{tiny_llama_dir.name} --speculative-config" in card
     assert "| offline simulator | 4 | 20 | 1.800 |" in card and "| vLLM | 4 | 20 | 1.750 |" in card
@@ -134,12 +142,16 @@ def test_the_card_of_a_checkpoint_published_to_s3_has_no_local_path(
 def test_a_hub_verifier_is_named_and_served_by_its_id(exported, tmp_path, bucket):
     recipe = yaml.safe_load((exported / EXPORT_RECIPE).read_text())
     recipe["target"] = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "revision": "main"}
+    recipe["publish"] = {"license": "apache-2.0"}
     (exported / EXPORT_RECIPE).write_text(yaml.safe_dump(recipe))
     destination, fs = bucket
     published = publish(exported, report_for(exported, tmp_path / "eval"), destination)
     card = (exported / MODEL_CARD).read_text()
     assert "# publish-core: a dflash drafter for HuggingFaceTB/SmolLM2-135M-Instruct" in card
     assert "revision `main`" in card and "--speculative-config" not in card
+    metadata = ModelCard(card).data  # what the Hub reads: the drafter links to its verifier
+    assert metadata.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and metadata.license == "apache-2.0"
+    assert metadata.library_name == "speculators" and "speculative-decoding" in metadata.tags
     assert f"vllm serve ./publish-core-{published.version}" in card  # after copying it from S3
 
 

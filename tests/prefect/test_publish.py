@@ -53,7 +53,8 @@ def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, 
     assert files == sorted([f"{version_dir}/{f}" for f in local] + [f"{version_dir}/{PUBLISHED_MARKER}"])
     assert {"README.md", "config.json", "model.safetensors", "acceptance.png"} <= set(local)
     card = fs.cat(f"{url.removeprefix('s3://')}/{version_dir}/{MODEL_CARD}").decode()
-    assert card.startswith("# prefect-publish: a dflash drafter for") and "gate passed: τ 1.800" in card
+    assert card.startswith("---\n") and "\n---\n# prefect-publish: a dflash drafter for" in card
+    assert "gate passed: τ 1.800" in card
     assert first["location"] in card  # served from the published copy
     assert "![Per-position acceptance](acceptance.png)" in card
 
