@@ -69,3 +69,14 @@ def test_documented_command_parses(page, number, command):
             build_parser().parse_args(argv_of(command))
         except SystemExit as done:
             assert done.code == 0, f"{page.name}:{number}: `{command}`: {err.getvalue().strip()}"
+
+
+MAKE_TARGET = re.compile(r"(?:^|`|\$ )make ([a-z][a-z-]*)", re.MULTILINE)
+
+
+def test_every_documented_make_target_exists():
+    """`make X` in the README and the docs names a target of the Makefile."""
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
+    named = {(page.name, t) for page in PAGES for t in MAKE_TARGET.findall(page.read_text())}
+    assert {t for _, t in named} >= {"demo", "test", "test-fast", "docs"}
+    assert sorted((page, t) for page, t in named if t not in targets) == []
