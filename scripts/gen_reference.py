@@ -106,7 +106,7 @@ def cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def model_tables(model: type[BaseModel], path: str, out: list[str], seen: set) -> None:
+def model_tables(model: type[BaseModel], path: str, out: list[str]) -> None:
     nested = []
     rows = []
     for name, field in model.model_fields.items():
@@ -126,17 +126,14 @@ def model_tables(model: type[BaseModel], path: str, out: list[str], seen: set) -
                 label += f" (kind: {typing.get_args(kind.annotation)[0]})"
             nested.append((m, label))
     out += ["| field | type | default | constraints | description |", "|---|---|---|---|---|", *rows, ""]
-    for m, label in nested:
-        if (m, label) in seen:
-            continue
-        seen.add((m, label))
+    for m, label in nested:  # each label is its own path: every nested section is drawn once
         out += [f"{'#' * min(2 + label.count('.'), 4)} `{label}`", ""]
         if m.__doc__ and m.__doc__.strip() and not m.__doc__.startswith(m.__name__ + "("):
             out += [cell(m.__doc__.strip().splitlines()[0]), ""]
         top = label.split(".")[0].split("[")[0].split(" ")[0]
         if "." not in label and top in READ_BY:
             out += [f"Read by: {READ_BY[top]}.", ""]
-        model_tables(m, label.split(" ")[0], out, seen)
+        model_tables(m, label.split(" ")[0], out)
 
 
 def recipe_page() -> str:
@@ -154,7 +151,7 @@ def recipe_page() -> str:
         "## Top level",
         "",
     ]
-    model_tables(Recipe, "", out, set())
+    model_tables(Recipe, "", out)
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -323,8 +323,9 @@ def _workers(n_chunks: int) -> int:
 
     ATen's CPU flash backward splits one call over (batch entry, query head) only: 9 heads on
     2 threads leave one thread idle for a ninth of every call, plus the kernel's own serial
-    parts, so a second thread gains far less than 2x; whole chunks on separate threads keep every thread busy. Needs ATen's OpenMP backend, where
-    the intra-op thread count belongs to the calling thread."""
+    parts, so a second thread gains far less than 2x; whole chunks on separate threads keep
+    every thread busy. Needs ATen's OpenMP backend, where the intra-op thread count belongs to
+    the calling thread."""
     threads = torch.get_num_threads()
     if threads == 1 or n_chunks < 2 or "parallel backend: OpenMP" not in _parallel_info():
         return 1
