@@ -40,9 +40,9 @@ from draftflow.evaluation.run import evaluate_checkpoint
 from draftflow.extraction import run_extraction
 from draftflow.plan import Plan
 from draftflow.recipe.load import default_home
+from draftflow.results import TrainResult
 from draftflow.store import Store, load_sample, read_manifest
 from draftflow.store.fp8 import FP8_FORMATS
-from draftflow.train.__main__ import RESULT_PREFIX
 from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port
 
 LAYER_IDS = [2, 15, 27, 30]  # SmolLM2's default (2, L//2, L-3, L)
@@ -193,7 +193,7 @@ def reconstruction(reference: Plan, other: Plan) -> tuple[list[float], list[floa
     return (err_sq / ref_sq).sqrt().tolist(), worst.tolist()
 
 
-def train(recipe_path: str, run_id: str, seed: int) -> dict:
+def train(recipe_path: str, run_id: str, seed: int) -> TrainResult:
     """A run id that already finished resumes at its last checkpoint and only exports again."""
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     started = time.perf_counter()
@@ -214,10 +214,9 @@ def train(recipe_path: str, run_id: str, seed: int) -> dict:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"training {run_id} failed:\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))
-    result = json.loads(line[len(RESULT_PREFIX) :])
+    result = TrainResult.from_output(proc.stdout.splitlines())
     seconds = time.perf_counter() - started
-    print(f"trained {run_id}: {result['steps']} steps in {seconds:.0f}s", file=sys.stderr)
+    print(f"trained {run_id}: {result.steps} steps in {seconds:.0f}s", file=sys.stderr)
     return result
 
 
@@ -266,7 +265,7 @@ def main() -> int:
             for seed in range(args.seeds):
                 run_id = dtype if seed == 0 else f"{dtype}-seed{seed}"
                 result = train(str(plans[dtype].recipe_path), run_id, seed)
-                served = evaluate(result["export_dir"], plans[dtype], work / f"eval-{run_id}").vllm
+                served = evaluate(result.export_dir, plans[dtype], work / f"eval-{run_id}").vllm
                 taus.setdefault(dtype, []).append(
                     (served.mean_acceptance_length, served.outputs_identical, served.num_prompts)
                 )

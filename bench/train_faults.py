@@ -30,6 +30,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftflow.results import TrainResult
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "draftflow.train"]
@@ -49,8 +53,8 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def _run(recipe: str, run_id: str, *extra: str) -> dict:
-    from draftflow.train.__main__ import RESULT_PREFIX
+def _run(recipe: str, run_id: str, *extra: str) -> TrainResult:
+    from draftflow.results import TrainResult
 
     proc = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
         TRAIN + [recipe, "--run-id", run_id, *SETTINGS, *extra],
@@ -61,8 +65,7 @@ def _run(recipe: str, run_id: str, *extra: str) -> dict:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{run_id}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX))
-    return json.loads(line[len(RESULT_PREFIX) :])
+    return TrainResult.from_output(proc.stdout.splitlines())
 
 
 def _same_weights(a: str, b: str) -> bool:
@@ -75,11 +78,11 @@ def _same_weights(a: str, b: str) -> bool:
     return x.keys() == y.keys() and all(torch.allclose(x[k], y[k], rtol=1e-5, atol=1e-6) for k in x)
 
 
-def _audit(result: dict, reference: dict) -> dict:
+def _audit(result: TrainResult, reference: TrainResult) -> dict:
     from draftflow.paths import RunLayout
     from draftflow.train import checkpointing
 
-    layout = RunLayout(result["run_dir"])
+    layout = RunLayout(result.run_dir)
     corrupt = 0
     for step in checkpointing.marked_steps(layout):
         try:
@@ -88,10 +91,10 @@ def _audit(result: dict, reference: dict) -> dict:
             corrupt += 1
     steps = [json.loads(ln)["step"] for ln in Path(layout.metrics).read_text().splitlines() if ln.strip()]
     return {
-        "lost_steps": reference["steps"] - result["steps"],
+        "lost_steps": reference.steps - result.steps,
         "duplicated_steps": len(steps) - len(set(steps)),
         "corrupt_checkpoints": corrupt,
-        "weights_equal_reference": _same_weights(result["export_dir"], reference["export_dir"]),
+        "weights_equal_reference": _same_weights(result.export_dir, reference.export_dir),
     }
 
 
@@ -126,9 +129,9 @@ def torn_trials(recipe: str, reference: dict, trials: int, rng: random.Random) -
     audits = []
     for k in range(trials):
         run_id = f"torn-{k}"
-        stop_at = 2 * rng.randint(2, max(2, reference["steps"] // 2 - 1))
+        stop_at = 2 * rng.randint(2, max(2, reference.steps // 2 - 1))
         first = _run(recipe, run_id, "--max-steps", str(stop_at), "--no-export")
-        layout = RunLayout(first["run_dir"])
+        layout = RunLayout(first.run_dir)
         newest = Path(layout.checkpoint(checkpointing.marked_steps(layout)[0]))
         victim = rng.choice(
             [checkpointing.WEIGHTS, checkpointing.OPTIMIZER, checkpointing.RNG, checkpointing.STATE]
@@ -140,7 +143,7 @@ def torn_trials(recipe: str, reference: dict, trials: int, rng: random.Random) -
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         (newest / victim).write_bytes(bytes(data))
         result = _run(recipe, run_id)
-        fell_back += bool(result["torn_checkpoints"]) and not result["resumed_from"].endswith(newest.name)
+        fell_back += bool(result.torn_checkpoints) and not result.resumed_from.endswith(newest.name)
         audits.append(_audit(result, reference))
     return {
         "fault": "torn checkpoint (truncated or bit flip)",
@@ -169,7 +172,7 @@ def main() -> None:
         recipe = str(fixtures.write_recipe(Path(tmp)))
         fixtures.fill_store(Plan.load(recipe), default_home() / "models" / "SmolLM2-135M-Instruct")
         reference = _run(recipe, "reference")
-        print(json.dumps({"reference_steps": reference["steps"]}), flush=True)
+        print(json.dumps({"reference_steps": reference.steps}), flush=True)
         if args.kills:
             print(json.dumps(kill_trials(recipe, reference, args.kills, rng)), flush=True)
         if args.torn:

@@ -40,13 +40,17 @@ class Plan:
         *,
         storage_options: dict | None = None,
         skip_storage: tuple[str, ...] = (),
+        data: dict | None = None,
+        fixed_fingerprint: str | None = None,
     ) -> Plan:
         """Validate and resolve. ``storage_options``: the store block's fsspec options (None: the
         environment's); an ``s3://`` store, run folder or destination with no credentials in them
         nor in the environment fails here, before any server starts (``skip_storage``: fields a
-        block replaces, e.g. ``publish.destination``)."""
-        path = str(resolve(recipe))
-        checked = validate(path, overrides)
+        block replaces, e.g. ``publish.destination``). ``data`` and ``fixed_fingerprint``: the
+        recipe's content and fingerprint as a run reference froze them (draftflow.run_ref), so a
+        stage of a run plans what the run started with, whatever happened to the file since."""
+        path = str(resolve(recipe)) if data is None else recipe
+        checked = validate(path, overrides, data)
         if checked.target is None:
             raise RecipeError(
                 f"{path}: target.model: config of {checked.recipe.target.model!r} is not readable here; "
@@ -57,7 +61,7 @@ class Plan:
         if errors:
             raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
         layer_ids = tuple(checked.layer_ids)
-        fp = fingerprint(r, list(layer_ids), storage_options)
+        fp = fixed_fingerprint or fingerprint(r, list(layer_ids), storage_options)
         return cls(
             recipe_path=path,
             overrides=tuple(overrides),

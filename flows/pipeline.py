@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from flows.stages import current_run_id, extract
+from flows.stages import current_run_id, extract_stage
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.evaluate import publish as publish_task
-from tasks.recipe import resolve_plan
+from tasks.recipe import resolve_run
 from tasks.train import train_drafter
 
 
@@ -43,28 +43,22 @@ def pipeline(
     vllm_block: str | None = None,
     destination_block: str | None = None,
 ) -> PipelineResult:
-    overrides = list(overrides or [])
-    ref = resolve_plan(recipe, overrides, store_block, destination_block)
-    online = ref["mode"] != "offline"
-    extracted = extract(recipe, overrides, store_block, vllm_block, keep_server=online)
-    server = extracted[1] if online else None
+    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block, destination_block)
+    online = ref.mode != "offline"
+    _, server = extract_stage(ref, keep_server=online)
     try:  # online and hybrid training read from vLLM: the server stays up for the trainer
-        trained = train_drafter(
-            recipe, overrides, current_run_id(), store_block=store_block, vllm_block=vllm_block
-        )
+        trained = train_drafter(ref, current_run_id())
     finally:
-        if server is not None:
+        if online:
             server.stop()  # evaluation starts its own servers (target + drafter, then target alone)
-    evaluated = evaluate_task(recipe, overrides, trained["export_dir"], trained["run_dir"], store_block)
-    published = publish_task(
-        recipe, overrides, trained["export_dir"], evaluated["report"], destination_block, store_block
-    )
+    evaluated = evaluate_task(ref, trained.export_dir, trained.run_dir)
+    published = publish_task(ref, trained.export_dir, evaluated.report)
     return PipelineResult(
-        ref["name"],
-        ref["fingerprint"],
-        evaluated["tau"],
-        evaluated["passed_gate"],
-        trained["export_dir"],
-        evaluated["report"],
-        published["location"],
+        ref.name,
+        ref.fingerprint,
+        evaluated.tau,
+        evaluated.passed_gate,
+        trained.export_dir,
+        evaluated.report,
+        published.location,
     )

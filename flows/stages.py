@@ -2,6 +2,8 @@
 
 Every flow takes a recipe (a path or a shipped recipe's name), dotted overrides, and the
 names of infrastructure blocks (none needed for a local run: the recipe's defaults apply).
+Its first task resolves them once into the run reference (draftflow.run_ref) that every
+later task takes; `pipeline` runs the stages' bodies on its own reference.
 """
 
 from __future__ import annotations
@@ -9,6 +11,9 @@ from __future__ import annotations
 from prefect import flow
 from prefect.runtime import flow_run
 
+from draftflow.publish import Published
+from draftflow.results import EvaluateResult, ExtractResult, PrepareResult, TrainResult
+from draftflow.run_ref import RunRef
 from tasks.evaluate import evaluate as evaluate_task
 from tasks.evaluate import publish as publish_task
 from tasks.extract import (
@@ -19,7 +24,8 @@ from tasks.extract import (
     shard_table,
     stopped_unless_kept,
 )
-from tasks.recipe import resolve_plan
+from tasks.infra import artifact_key
+from tasks.recipe import resolve_run
 from tasks.runners import check_task_runner
 from tasks.train import train_drafter
 
@@ -30,11 +36,10 @@ def prepare(
     overrides: list[str] | None = None,
     store_block: str | None = None,
     vllm_block: str | None = None,
-) -> dict:
-    overrides = list(overrides or [])
-    resolve_plan(recipe, overrides, store_block)
+) -> PrepareResult:
+    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block)
     # Starts (and stops) a plain vLLM server itself when the target must write text.
-    return prepare_data(recipe, overrides, store_block, vllm_block)
+    return prepare_data(ref)
 
 
 @flow(name="draftflow-extract", log_prints=True)
@@ -43,33 +48,31 @@ def extract(
     overrides: list[str] | None = None,
     store_block: str | None = None,
     vllm_block: str | None = None,
-    keep_server: bool = False,
-):
-    """Server → prepare → one mapped task per shard → shard table. Fails if any shard failed.
+) -> ExtractResult:
+    """Server → prepare → one mapped task per shard → shard table. Fails if any shard failed."""
+    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block)
+    summary, _ = extract_stage(ref, keep_server=False)
+    return summary
 
-    With keep_server, returns (summary, server handle) so the caller can keep vLLM up
-    (online / hybrid training) and stop it later.
-    """
-    overrides = list(overrides or [])
-    ref = resolve_plan(recipe, overrides, store_block)
-    runner = check_task_runner(recipe, overrides)  # a Dask scheduler that does not answer stops us here
+
+def extract_stage(ref: RunRef, keep_server: bool):
+    """The extract flow's body, also run by `pipeline`: (summary, server handle). With keep_server
+    the servers stay up (online / hybrid training reads from them) for the caller to stop."""
+    runner = check_task_runner(ref)  # a Dask scheduler that does not answer stops us here
     # Preparation first, on a plain server (generation at full speed), then the extraction server.
-    prepare_data(recipe, overrides, store_block, vllm_block)
-    server = check_or_start_vllm(recipe, overrides, store_block, vllm_block)
+    prepare_data(ref)
+    server = check_or_start_vllm(ref)
+    table_key = artifact_key(ref, "shards")
     with stopped_unless_kept(server, keep_server):
         shards, outcomes, reasons = extract_every_shard(
-            recipe,
-            overrides,
-            ref["fingerprint"],
-            store_block,
-            vllm_block,
-            ref["shard_table_key"] + "-progress",
+            ref,
+            table_key + "-progress",
             server,  # a launched server that dies mid-run is started again, its shards retried
             runner,
         )
-        summary = shard_table(shards, outcomes, ref["shard_table_key"], reasons)
+        summary = shard_table(shards, outcomes, table_key, reasons)
         fail_on_failed_shards(summary)
-    return (summary, server) if keep_server else summary
+    return summary, server
 
 
 @flow(name="draftflow-train", log_prints=True)
@@ -80,24 +83,16 @@ def train(
     vllm_block: str | None = None,
     run_id: str | None = None,
     node_rank: int = 0,
-) -> dict:
+) -> TrainResult:
     """With training.nnodes > 1: one run of this flow per machine (node_rank 0..nnodes-1, node 0 on
     the rendezvous host), all with the same explicit run_id (each flow run has its own id)."""
-    overrides = list(overrides or [])
-    ref = resolve_plan(recipe, overrides, store_block)
-    if ref["nnodes"] > 1 and not run_id:
+    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block)
+    if ref.nnodes > 1 and not run_id:
         raise ValueError(
-            f"training.nnodes={ref['nnodes']}: pass the same run_id to the train flow run of every node "
+            f"training.nnodes={ref.nnodes}: pass the same run_id to the train flow run of every node "
             "(each flow run has its own id, so the nodes would neither meet nor share a run folder)"
         )
-    return train_drafter(
-        recipe,
-        overrides,
-        run_id or current_run_id(),
-        store_block=store_block,
-        vllm_block=vllm_block,
-        node_rank=node_rank,
-    )
+    return train_drafter(ref, run_id or current_run_id(), node_rank=node_rank)
 
 
 @flow(name="draftflow-evaluate", log_prints=True)
@@ -107,10 +102,9 @@ def evaluate(
     run_dir: str,
     overrides: list[str] | None = None,
     store_block: str | None = None,
-) -> dict:
-    overrides = list(overrides or [])
-    resolve_plan(recipe, overrides, store_block)
-    return evaluate_task(recipe, overrides, checkpoint_dir, run_dir, store_block)
+) -> EvaluateResult:
+    ref = resolve_run(recipe, list(overrides or []), store_block)
+    return evaluate_task(ref, checkpoint_dir, run_dir)
 
 
 @flow(name="draftflow-publish", log_prints=True)
@@ -121,10 +115,9 @@ def publish(
     overrides: list[str] | None = None,
     destination_block: str | None = None,
     store_block: str | None = None,
-) -> dict:
-    overrides = list(overrides or [])
-    resolve_plan(recipe, overrides, store_block, destination_block)
-    return publish_task(recipe, overrides, checkpoint_dir, report, destination_block, store_block)
+) -> Published:
+    ref = resolve_run(recipe, list(overrides or []), store_block, destination_block=destination_block)
+    return publish_task(ref, checkpoint_dir, report)
 
 
 def current_run_id() -> str:

@@ -53,7 +53,17 @@ CONSTRAINTS = (
 )
 
 
+def drafter_sections(annotation) -> list[type[BaseModel]] | None:
+    """The drafter kinds' sections when ``annotation`` is the recipe's ``drafter`` (its base class)."""
+    from draftflow.models import registry
+    from draftflow.recipe.section import DrafterSection
+
+    return list(registry.sections().values()) if annotation is DrafterSection else None
+
+
 def type_name(annotation) -> str:
+    if (kinds := drafter_sections(annotation)) is not None:
+        return " | ".join(k.__name__ for k in kinds)
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Annotated:
@@ -72,7 +82,9 @@ def type_name(annotation) -> str:
 
 
 def models_in(annotation) -> list[type[BaseModel]]:
-    """The section models a field holds (itself, a list of them, one of a union)."""
+    """The section models a field holds (itself, a list of them, one of a union, one per drafter kind)."""
+    if (kinds := drafter_sections(annotation)) is not None:
+        return kinds
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for a in typing.get_args(annotation) for m in models_in(a)]
@@ -144,9 +156,10 @@ def recipe_page() -> str:
         "",
         GENERATED,
         "",
-        "Every field a recipe may set, from the schema (`draftflow/recipe/schema.py`): type, default,",
-        "constraints and meaning. A recipe sets only what differs from these defaults; any field can be",
-        "set for one run with `--set section.field=value`. How to fork and override: [recipes](../recipes.md).",
+        "Every field a recipe may set, from the schema (`draftflow/recipe/schema.py`; each drafter kind's",
+        "section in `draftflow/models/<kind>/section.py`): type, default, constraints and meaning. A recipe",
+        "sets only what differs from these defaults; any field can be set for one run with",
+        "`--set section.field=value`. How to fork and override: [recipes](../recipes.md).",
         "",
         "## Top level",
         "",

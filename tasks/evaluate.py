@@ -8,20 +8,19 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from blocks.infrastructure import CheckpointDestination
 from draftflow.evaluation.run import evaluate_checkpoint
 from draftflow.paths import RunLayout, join
-from draftflow.publish import Destination
+from draftflow.publish import Destination, Published
 from draftflow.publish import publish as publish_checkpoint
 from draftflow.remote import is_remote, open_url
-from tasks import infra as infra_mod
-from tasks.infra import artifact_key
+from draftflow.results import EvaluateResult
+from draftflow.run_ref import RunRef
+from tasks.infra import artifact_key, blocks_for, plan_for
 
 
 @task(name="evaluate-checkpoint")
-def evaluate(
-    recipe: str, overrides: list[str], checkpoint_dir: str, run_dir: str, store_block: str | None = None
-) -> dict:
+def evaluate(ref: RunRef, checkpoint_dir: str, run_dir: str) -> EvaluateResult:
     """Contract check, offline τ, vLLM τ (+ speedup), agreement; the report becomes artifacts."""
-    infra = infra_mod.resolve(recipe, overrides, store_block, None)
-    plan = infra_mod.plan_for(recipe, infra)
+    infra = blocks_for(ref, vllm=False)  # evaluation starts servers of its own (target + drafter)
+    plan = plan_for(ref, infra)
     out = RunLayout(run_dir).eval_dir
     options = infra.storage_options or None  # no block: the environment's (as the trainer had)
     try:
@@ -39,11 +38,7 @@ def evaluate(
                 description="per-position acceptance chart",
             )
     get_run_logger().info("τ = %.3f (gate %s)", evaluation.tau, "pass" if evaluation.passed_gate else "FAIL")
-    return {
-        "report": join(out, "report.json"),
-        "tau": evaluation.tau,
-        "passed_gate": evaluation.passed_gate,
-    }
+    return EvaluateResult(join(out, "report.json"), evaluation.tau, evaluation.passed_gate)
 
 
 def _read_text(url: str, storage_options: dict | None) -> str | None:
@@ -55,18 +50,12 @@ def _read_text(url: str, storage_options: dict | None) -> str | None:
 
 
 @task(name="publish-checkpoint")
-def publish(
-    recipe: str,
-    overrides: list[str],
-    checkpoint_dir: str,
-    report: str,
-    destination_block: str | None = None,
-    store_block: str | None = None,
-) -> dict:
-    """:func:`draftflow.publish.publish` to the block's destination (else the recipe's, with the
+def publish(ref: RunRef, checkpoint_dir: str, report: str) -> Published:
+    """:func:`draftflow.publish.publish` to the run's destination block (else the recipe's, with the
     store's options); a refusal fails the flow. A run folder on s3:// is read with the store's options."""
-    infra = infra_mod.resolve(recipe, overrides, store_block, None)
-    plan = infra_mod.plan_for(recipe, infra, destination_block)
+    infra = blocks_for(ref, vllm=False)
+    plan = plan_for(ref, infra)
+    destination_block = ref.destination_block
     options = infra.storage_options  # the store block's, else $DRAFTFLOW_STORAGE_OPTIONS
     url = plan.recipe.publish.destination
     destination = (
@@ -90,4 +79,4 @@ def publish(
             link=published.location,
             description=f"published checkpoint {published.version}",
         )
-    return published.as_dict()
+    return published

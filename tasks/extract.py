@@ -11,7 +11,6 @@ processes); cache key, persisted results and the manifest check are the same on 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import uuid
 import weakref
@@ -27,13 +26,15 @@ from draftflow.extraction import expected_samples, extract_shard_by_id, plan_ext
 from draftflow.extraction.run import prepare_data as prepare_data_core
 from draftflow.extraction.shards import staging_folders, sweep_staging
 from draftflow.paths import shard_id
+from draftflow.plan import NOT_THE_STORE
 from draftflow.progress import LineSink, Progress, reporting
+from draftflow.results import ExtractResult, PrepareResult
+from draftflow.run_ref import RunRef
 from draftflow.store import Store
 from draftflow.store.fp8 import server_dtype
 from draftflow.store.shard import FORMAT_VERSION
 from draftflow.vllm.server import MAX_RESTARTS, ServerHandle, ensure_running, server_went_away
-from tasks import infra as infra_mod
-from tasks.infra import artifact_key
+from tasks.infra import artifact_key, blocks_for, plan_for
 from tasks.progress import prefect_sinks
 from tasks.runners import shard_runner, where_this_runs
 
@@ -66,13 +67,11 @@ def handle_named(name: str | None) -> ServerHandle | None:
 @task(
     name="check-or-start-vllm", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE, persist_result=False
 )
-def check_or_start_vllm(
-    recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None
-) -> ServerHandle:
+def check_or_start_vllm(ref: RunRef) -> ServerHandle:
     """Healthy endpoints are checked (model, extraction, layers); dead ones started if the
     recipe or block says how. The flow stops what was started here when it ends."""
-    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
-    plan = infra_mod.plan_for(recipe, infra)
+    infra = blocks_for(ref)
+    plan = plan_for(ref, infra)
     r = plan.recipe
     handle = ensure_running(
         infra.endpoints or r.vllm.endpoints,
@@ -91,10 +90,10 @@ def check_or_start_vllm(
 
 
 @task(name="prepare-data")
-def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None) -> dict:
+def prepare_data(ref: RunRef) -> PrepareResult:
     """Tokenised, split, optionally regenerated data in the fingerprinted folder (reused when there)."""
-    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
-    plan = infra_mod.plan_for(recipe, infra)
+    infra = blocks_for(ref)
+    plan = plan_for(ref, infra)
     # Generation (replies, self-generated prompts) runs on a plain server started here if none
     # answers: it is stopped before the extraction server starts (check-or-start-vllm).
     launch = infra.launch if infra.launch_from_block else plan.recipe.vllm.launch
@@ -105,11 +104,11 @@ def prepare_data(recipe: str, overrides: list[str], store_block: str | None, vll
         )
     report = read_report(plan.data, infra.storage_options)
     get_run_logger().info("data in %s (%s)", plan.data.prepared_dir, "prepared now" if worked else "reused")
-    return {"data_root": plan.data.root, "reused": not worked, "report": report}
+    return PrepareResult(plan.data.root, reused=not worked, report=report)
 
 
 @task(name="plan-shards", cache_policy=NO_CACHE, persist_result=False)  # reads live manifest state
-def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> dict:
+def plan_shards(ref: RunRef) -> dict:
     """Every shard id of the train split, those the manifest lacks (missing, failed, broken), and why;
     stale staging files are swept on the way.
 
@@ -118,8 +117,8 @@ def plan_shards(recipe: str, overrides: list[str], store_block: str | None) -> d
     the cache. Shards are re-hashed when their objects changed since last verified (a same-size
     bit flip changes the object's mtime / LastModified), so a corrupt shard is planned again.
     """
-    infra = infra_mod.resolve(recipe, overrides, store_block, None)
-    plan = infra_mod.plan_for(recipe, infra)
+    infra = blocks_for(ref, vllm=False)
+    plan = plan_for(ref, infra)
     # Run before and after the shard tasks: staging files of clients killed mid-request go.
     if swept := sweep_staging(plan):
         get_run_logger().info("removed %d stale staging files", swept)
@@ -140,18 +139,9 @@ def shard_cache_key(context, parameters: dict) -> str:
     same recipe pointed at another store (a new bucket, a store block) would find every shard
     "cached" and write nothing there.
     """
-    run = getattr(getattr(context, "task_run", None), "flow_run_id", None)
-    where = _store_digest(
-        str(run), parameters["recipe"], tuple(parameters["overrides"]), parameters["store_block"]
-    )
-    return f"draftflow-shard-{parameters['fingerprint']}-{where}-{parameters['shard']}-format{FORMAT_VERSION}"
-
-
-@functools.lru_cache(maxsize=64)
-def _store_digest(flow_run_id: str, recipe: str, overrides: tuple[str, ...], store_block: str | None) -> str:
-    """Resolved once per flow run (the store block is read from the server), not once per shard."""
-    infra = infra_mod.resolve(recipe, list(overrides), store_block, None)
-    return hashlib.sha256(infra_mod.plan_for(recipe, infra).data.root.encode()).hexdigest()[:12]
+    ref: RunRef = parameters["ref"]
+    where = hashlib.sha256(ref.data_root.encode()).hexdigest()[:12]
+    return f"draftflow-shard-{ref.fingerprint}-{where}-{parameters['shard']}-format{FORMAT_VERSION}"
 
 
 @task(
@@ -161,15 +151,7 @@ def _store_digest(flow_run_id: str, recipe: str, overrides: tuple[str, ...], sto
     cache_policy=CacheKeyFnPolicy(cache_key_fn=shard_cache_key),
     task_run_name="extract-{shard}",
 )
-def extract_shard(
-    recipe: str,
-    overrides: list[str],
-    fingerprint: str,
-    shard: str,
-    store_block: str | None,
-    vllm_block: str | None,
-    server_ref: str | None = None,
-) -> dict:
+def extract_shard(ref: RunRef, shard: str, server_ref: str | None = None) -> dict:
     """`server_ref`: names check-or-start-vllm's handle when this task runs in the flow's process
     (the default thread pool); a server it launched that dies mid-shard is then started again and
     the shard retried, as the CLI does. Elsewhere (a Dask worker) the name finds no handle: the
@@ -178,14 +160,12 @@ def extract_shard(
     get_run_logger().info(
         "shard %s on %s (host %s, pid %s)", shard, where["worker"], where["host"], where["pid"]
     )
-    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
-    plan = infra_mod.plan_for(recipe, infra)
-    if plan.fingerprint != fingerprint:
-        raise ValueError(f"recipe fingerprint changed during the run ({fingerprint} -> {plan.fingerprint})")
+    infra = blocks_for(ref)
+    # The flow checked every folder before it started; a shard task touches only the store.
+    plan = plan_for(ref, infra, skip_storage=NOT_THE_STORE)
     with reporting(LineSink(get_run_logger().info)):  # this shard's samples: done/total, rate, ETA, failures
         result = extract_shard_by_id(
-            plan.recipe_path,
-            infra.overrides,
+            plan,
             shard,
             infra.endpoints or plan.recipe.vllm.endpoints,
             api_key=infra.api_key,
@@ -207,7 +187,7 @@ def extract_shard(
 @task(name="shard-table")
 def shard_table(
     shards: list[str], outcomes: list[dict | BaseException], key: str, reasons: dict[str, str] | None = None
-) -> dict:
+) -> ExtractResult:
     """The shard table artifact (done / failed / reason) and counts for the flow. `reasons`: why a
     shard had to run (from plan-shards: missing, failed, corrupt); a shard that was in the store
     but broken and has been extracted again shows as "regenerated"."""
@@ -241,7 +221,7 @@ def shard_table(
                 }
             )
     create_table_artifact(key=key, table=rows, description="extraction shards")
-    return {"shards": len(shards), "failed": failed}
+    return ExtractResult(shards=len(shards), failed=failed)
 
 
 def _ran_on(outcome: dict) -> str:
@@ -271,11 +251,7 @@ def wait_for_shards(futures: list, key: str) -> list:
 
 
 def extract_every_shard(
-    recipe: str,
-    overrides: list[str],
-    fingerprint: str,
-    store_block: str | None,
-    vllm_block: str | None,
+    ref: RunRef,
     progress_key: str,
     server: ServerHandle | None = None,
     runner_settings: dict | None = None,
@@ -288,10 +264,9 @@ def extract_every_shard(
     The manifest is the truth: a shard it still lacks although its task "succeeded" came from a
     stale cache (store wiped or moved) and runs again, ignoring the cache.
     """
-    planned = plan_shards(recipe, overrides, store_block)
+    planned = plan_shards(ref)
     shards = planned["all"]
-    same = {"recipe": recipe, "overrides": overrides, "fingerprint": fingerprint}
-    same |= {"store_block": store_block, "vllm_block": vllm_block, "server_ref": handle_ref(server)}
+    same = {"ref": ref, "server_ref": handle_ref(server)}
 
     def parameters(ids: list[str]) -> dict:
         return {**{k: unmapped(v) for k, v in same.items()}, "shard": ids}
@@ -309,7 +284,7 @@ def extract_every_shard(
             again = runner.map(extract_shard.with_options(refresh_cache=True), parameters(lost))
             redo = dict(zip(lost, wait_for_shards(list(again), progress_key)))
             outcomes = [redo.get(s, o) for s, o in zip(shards, outcomes)]
-        missing = set(plan_shards(recipe, overrides, store_block)["missing"])
+        missing = set(plan_shards(ref)["missing"])
         stale = [s for s, o in zip(shards, outcomes) if s in missing and not isinstance(o, BaseException)]
         if stale:
             again = runner.map(extract_shard.with_options(refresh_cache=True), parameters(stale))
@@ -318,10 +293,10 @@ def extract_every_shard(
     return shards, outcomes, planned["reasons"]
 
 
-def fail_on_failed_shards(summary: dict) -> None:
-    if summary["failed"]:
+def fail_on_failed_shards(summary: ExtractResult) -> None:
+    if summary.failed:
         raise RuntimeError(
-            f"{summary['failed']} of {summary['shards']} shards failed; retry the flow run "
+            f"{summary.failed} of {summary.shards} shards failed; retry the flow run "
             "to extract only those (completed shards are cached and in the manifest)"
         )
 

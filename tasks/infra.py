@@ -6,6 +6,7 @@ task loads the blocks it needs by name and hands plain values to the core.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV, storage
 from draftflow.recipe.load import string_override
 from draftflow.recipe.redact import restore_secret_overrides
 from draftflow.recipe.schema import VLLMLaunchSection
+from draftflow.run_ref import RunRef
 
 
 @dataclass
@@ -27,7 +29,52 @@ class Infra:
     launch_from_block: bool = False
 
 
-def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_block: str | None) -> Infra:
+def start_run(
+    recipe: str,
+    overrides: list[str],
+    store_block: str | None = None,
+    vllm_block: str | None = None,
+    destination_block: str | None = None,
+) -> tuple[RunRef, Plan]:
+    """The flow run's one resolution of its recipe: the run reference every task gets, and its plan
+    (remote folders checked against the store block's credentials, else the environment's)."""
+    infra = _settings(overrides, store_block, None)
+    return RunRef.create(
+        recipe,
+        overrides,
+        resolved_overrides=infra.overrides,
+        storage_options=infra.storage_options or None,
+        skip_storage=_skipped(destination_block),
+        store_block=store_block,
+        vllm_block=vllm_block,
+        destination_block=destination_block,
+    )
+
+
+def blocks_for(ref: RunRef, *, vllm: bool = True) -> Infra:
+    """The settings the run's blocks hold now (secrets included), loaded inside the task that needs
+    them; ``vllm``: whether that task talks to vLLM (the vLLM block is read only then)."""
+    return _settings(list(ref.overrides), ref.store_block, ref.vllm_block if vllm else None)
+
+
+def plan_for(ref: RunRef, infra: Infra, *, skip_storage: tuple[str, ...] = ()) -> Plan:
+    """The run's plan under the blocks' settings; built once per process for the same inputs (every
+    shard task of a flow run asks for the same one)."""
+    skip = tuple(sorted(set(skip_storage) | set(_skipped(ref.destination_block))))
+    options = json.dumps(infra.storage_options or None, sort_keys=True)
+    return _plan(ref, tuple(infra.overrides), options, skip)
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(ref: RunRef, overrides: tuple[str, ...], options: str, skip: tuple[str, ...]) -> Plan:
+    return ref.plan(overrides, storage_options=json.loads(options), skip_storage=skip)
+
+
+def _skipped(destination_block: str | None) -> tuple[str, ...]:
+    return ("publish.destination",) if destination_block else ()  # the block replaces it
+
+
+def _settings(overrides: list[str], store_block: str | None, vllm_block: str | None) -> Infra:
     # Parameters hold secret overrides redacted; their values come from the environment (recipe.redact).
     infra = Infra(overrides=restore_secret_overrides(overrides))
     if store_block:
@@ -52,17 +99,6 @@ def resolve(recipe: str, overrides: list[str], store_block: str | None, vllm_blo
     return infra
 
 
-def plan_for(recipe: str, infra: Infra, destination_block: str | None = None) -> Plan:
-    """The plan, its remote folders checked against the store block's credentials (no block: the
-    environment's); a destination block replaces the recipe's publish.destination."""
-    return Plan.load(
-        recipe,
-        infra.overrides,
-        storage_options=infra.storage_options or None,
-        skip_storage=("publish.destination",) if destination_block else (),
-    )
-
-
 def subprocess_env(infra: Infra) -> dict[str, str]:
     """Settings for a subprocess (torchrun) through the environment, not its command line."""
 
@@ -74,6 +110,7 @@ def subprocess_env(infra: Infra) -> dict[str, str]:
     return env
 
 
-def artifact_key(plan: Plan, what: str) -> str:
+def artifact_key(ref: RunRef | Plan, what: str) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
-    return f"{plan.recipe.name}-{what}".lower().replace(".", "-").replace("_", "-")
+    name = ref.name if isinstance(ref, RunRef) else ref.recipe.name
+    return f"{name}-{what}".lower().replace(".", "-").replace("_", "-")

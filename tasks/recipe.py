@@ -1,29 +1,26 @@
-"""Task: resolve and validate a recipe before anything starts."""
+"""Task: resolve and validate a recipe once, before anything starts; the run reference."""
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, RUN_ID
 
-from tasks.infra import artifact_key, plan_for, resolve
+from draftflow.run_ref import RunRef
+from tasks.infra import start_run
 
 
-@task(name="resolve-recipe")
-def resolve_plan(
+# Cached for the flow run: a flow run retried from the UI gets the reference it started with, so
+# its tasks plan the same data folder even if the recipe file was edited in between.
+@task(name="resolve-recipe", cache_policy=INPUTS + RUN_ID, persist_result=True)
+def resolve_run(
     recipe: str,
     overrides: list[str],
     store_block: str | None = None,
+    vllm_block: str | None = None,
     destination_block: str | None = None,
-) -> dict:
+) -> RunRef:
     """Fail fast on a bad recipe or missing object-store credentials (before any server starts);
-    return small references only."""
-    infra = resolve(recipe, overrides, store_block, None)
-    plan = plan_for(recipe, infra, destination_block)
-    return {
-        "name": plan.recipe.name,
-        "fingerprint": plan.fingerprint,
-        "data_root": plan.data.root,
-        "mode": plan.recipe.extraction.mode,
-        "nnodes": plan.recipe.training.nnodes,
-        "shard_table_key": artifact_key(plan, "shards"),
-        "description": plan.describe(),
-    }
+    the run reference every later task of the flow run takes (draftflow.run_ref)."""
+    ref, plan = start_run(recipe, overrides, store_block, vllm_block, destination_block)
+    get_run_logger().info("%s; fingerprint %s", plan.describe(), ref.fingerprint)
+    return ref

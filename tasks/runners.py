@@ -21,21 +21,21 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 from prefect.task_runners import TaskRunner
 
-from draftflow.recipe.catalog import resolve
 from draftflow.recipe.checks import scheduler_errors
-from draftflow.recipe.load import RecipeError, load_recipe
+from draftflow.recipe.load import RecipeError
+from draftflow.run_ref import RunRef
+from tasks.infra import blocks_for, plan_for
 
 
 # Never cached: whether the scheduler answers is a fact about now, not about the inputs.
 @task(name="check-task-runner", cache_policy=NO_CACHE, persist_result=False)
-def check_task_runner(recipe: str, overrides: list[str]) -> dict:
+def check_task_runner(ref: RunRef) -> dict:
     """The recipe's `prefect` section; fails (naming the field) when its Dask scheduler does not
     answer, so a dead address stops the flow before any vLLM server starts."""
-    path = str(resolve(recipe))
-    r = load_recipe(path, overrides)
+    r = plan_for(ref, blocks_for(ref, vllm=False)).recipe
     errors = scheduler_errors(r)
     if errors:
-        raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
+        raise RecipeError("; ".join(f"{ref.recipe}: {e}" for e in errors))
     return r.prefect.model_dump() | {"workers": r.prefect.local_workers}
 
 

@@ -15,7 +15,6 @@ gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops the same way.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import shlex
 import subprocess
@@ -34,54 +33,40 @@ from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.progress import Progress
 from draftflow.recipe.redact import redact_args
 from draftflow.remote import is_remote
+from draftflow.results import TrainResult
+from draftflow.run_ref import RunRef
 from draftflow.train import RESULT_PREFIX
 from draftflow.train.launch import torchrun_launch
 from draftflow.train.metrics import parse_line
-from tasks import infra as infra_mod
-from tasks.infra import artifact_key
+from tasks.infra import artifact_key, blocks_for, plan_for, subprocess_env
 from tasks.progress import prefect_sinks
 
 
 def node_launch(
-    recipe: str,
-    overrides: list[str],
-    run_id: str,
-    node_rank: int = 0,
-    max_steps: int | None = None,
-    store_block: str | None = None,
-    vllm_block: str | None = None,
+    ref: RunRef, run_id: str, node_rank: int = 0, max_steps: int | None = None
 ) -> tuple[Plan, list[str], dict[str, str]]:
     """The plan, this node's torchrun command and the settings it gets through the environment
-    (secrets via env, never argv: secret overrides are redacted on it)."""
-    infra = infra_mod.resolve(recipe, overrides, store_block, vllm_block)
-    plan = infra_mod.plan_for(recipe, infra)
+    (secrets via env, never argv: secret overrides are redacted on it; the run reference, so the
+    trainer plans what the run started with)."""
+    infra = blocks_for(ref)
+    plan = plan_for(ref, infra)
     cmd, secret_env = torchrun_launch(plan, run_id, node_rank=node_rank, max_steps=max_steps)
-    return plan, cmd, {**infra_mod.subprocess_env(infra), **secret_env}
+    return plan, cmd, {**subprocess_env(infra), **secret_env, **ref.to_env()}
 
 
 STOP_GRACE_S = 20.0  # within the 30 s a Prefect runner waits after its SIGTERM before SIGKILL
 
 
 @task(name="train-drafter", tags=["draftflow-gpu-training"])
-def train_drafter(
-    recipe: str,
-    overrides: list[str],
-    run_id: str,
-    max_steps: int | None = None,
-    store_block: str | None = None,
-    vllm_block: str | None = None,
-    node_rank: int = 0,
-) -> dict:
-    """Returns the trainer's result line: steps, run_dir, export_dir, last metrics.
+def train_drafter(ref: RunRef, run_id: str, max_steps: int | None = None, node_rank: int = 0) -> TrainResult:
+    """The trainer's result line: steps, run_dir, export_dir, last metrics.
 
     With training.nnodes > 1 this task starts the node `node_rank` (one task per machine, the
     same run_id on each). Global rank 0 prints the result line on whichever node the
-    rendezvous put it; the tasks of the other nodes return {"node_rank", "run_dir",
-    "export_dir", "result_on_another_node": True} (the run folder is shared)."""
+    rendezvous put it; the tasks of the other nodes return the shared run folder and export
+    with ``result_on_another_node``."""
     logger = get_run_logger()
-    plan, cmd, launch_env = node_launch(
-        recipe, overrides, run_id, node_rank, max_steps, store_block, vllm_block
-    )
+    plan, cmd, launch_env = node_launch(ref, run_id, node_rank, max_steps)
     logger.info("training: %s", shlex.join(redact_args(cmd)))
     sinks = prefect_sinks(artifact_key(plan, "training-progress"), f"training {plan.recipe.name}")
     progress = Progress("training", None, unit="steps", sinks=sinks)
@@ -118,7 +103,7 @@ def train_drafter(
                     )
                 progress.update(done=record["step"], total=record.get("total_steps") or None)
             elif line.startswith(RESULT_PREFIX):
-                result = json.loads(line[len(RESULT_PREFIX) :])
+                result = TrainResult.from_output([line])
         code = proc.wait()
         drain.join(timeout=5)
     finally:
@@ -148,25 +133,25 @@ def train_drafter(
     return result
 
 
-def _other_node_result(plan: Plan, run_id: str, node_rank: int) -> dict:
+def _other_node_result(plan: Plan, run_id: str, node_rank: int) -> TrainResult:
     """This node's torchrun succeeded without global rank 0. torchrun's exit barrier waits for
     every node, so rank 0's export (if any) is complete in the shared run folder by now."""
     import fsspec
 
     layout = RunLayout.for_run(plan.recipe.training.run_dir, plan.recipe.name, plan.fingerprint, run_id)
     fs, export = fsspec.core.url_to_fs(layout.export_dir)
-    return {
-        "node_rank": node_rank,
-        "result_on_another_node": True,
-        "run_dir": layout.root,
-        "export_dir": layout.export_dir if fs.exists(export) else None,
-    }
+    return TrainResult(
+        run_dir=layout.root,
+        export_dir=layout.export_dir if fs.exists(export) else None,
+        node_rank=node_rank,
+        result_on_another_node=True,
+    )
 
 
-def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
+def _validation_artifacts(plan: Plan, rows: list[dict], result: TrainResult) -> None:
     """Validation τ per validation, the exported step, and the loss / validation-τ chart."""
     validated = [r for r in rows if "val_tau" in r]
-    selected = result.get("selected") or {}
+    selected = result.selected or {}
     if validated:
         create_table_artifact(
             key=artifact_key(plan, "training-validation"),
@@ -182,15 +167,15 @@ def _validation_artifacts(plan: Plan, rows: list[dict], result: dict) -> None:
             ],
             description="validation acceptance (teacher-forced τ) during training",
         )
-    curves = result.get("training_curves")
+    curves = result.training_curves
     lines = [f"# Training of {plan.recipe.name}", ""]
     if selected:
         tau = selected.get("val_tau")
         lines.append(
-            f"Exported step {selected['step']} of {result['steps']} ({selected.get('reason')}"
+            f"Exported step {selected['step']} of {result.steps} ({selected.get('reason')}"
             + (f", validation τ {tau:.4f})" if tau is not None else ")")
         )
-    lines.append(f"TensorBoard: `tensorboard --logdir {result['run_dir']}`")
+    lines.append(f"TensorBoard: `tensorboard --logdir {result.run_dir}`")
     if curves and os.path.isfile(curves):
         import base64
 

@@ -38,6 +38,36 @@ def test_tasks_never_import_flows():
     assert offenders == []
 
 
+def _calls(path: Path) -> set[str]:
+    """`Name.attr(...)` and `name(...)` calls of a module, as written."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+                found.add(f"{f.value.id}.{f.attr}")
+            elif isinstance(f, ast.Name):
+                found.add(f.id)
+    return found
+
+
+RECIPE_READERS = {"Plan.load", "load_recipe", "read_yaml", "validate", "RunRef", "RunRef.create"}
+
+
+def test_one_run_reference_per_flow_run_made_in_one_place():
+    """Tasks and flows take the run reference (draftflow.run_ref) the flow's first task made; only
+    tasks/infra.py makes it, and nothing in tasks/ or flows/ reads a recipe by itself."""
+    made_here = {REPO / "tasks" / "infra.py"}
+    not_a_flow_run = {REPO / "flows" / "deploy.py"}  # reads recipes to build deployments
+    offenders = {
+        str(p.relative_to(REPO)): sorted(_calls(p) & RECIPE_READERS)
+        for p in _py_files("tasks") + _py_files("flows")
+        if p not in made_here | not_a_flow_run
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+    assert _calls(REPO / "tasks" / "infra.py") & RECIPE_READERS == {"RunRef.create"}
+
+
 def test_cpu_connector_imports_only_vllm_torch_and_stdlib():
     path = REPO / "draftflow" / "vllm" / "cpu_connector.py"
     if not path.exists():
@@ -58,9 +88,8 @@ def test_modules_stay_small():
 
 DRAFTER_KINDS = {"dflash", "eagle3"}
 DRAFTER_CLASSES = {"DFlashDrafter", "Eagle3Drafter", "DFlash", "Eagle3"}
-# Where kinds are declared: the models package (one folder per kind + the registry) and the
-# recipe sections of each kind.
-KIND_DECLARATIONS = ("draftflow/models/", "draftflow/recipe/schema.py")
+# Where kinds are declared: the models package (one folder per kind, its recipe section included).
+KIND_DECLARATIONS = ("draftflow/models/",)
 
 
 def _kind_branches(path: Path) -> list[str]:

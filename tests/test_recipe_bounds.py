@@ -18,6 +18,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from draftflow.models import registry
 from draftflow.recipe import RecipeError, load_recipe
 from draftflow.recipe.load import apply_overrides, recipe_from_dict, string_override
 from draftflow.recipe.schema import Recipe
@@ -58,16 +59,10 @@ def _fields(model: type[BaseModel], prefix: tuple = ()) -> list[tuple[tuple, typ
 
 
 def _cases(kind: type) -> list[tuple[str, tuple]]:
-    from draftflow.recipe.schema import DRAFTER_SECTIONS
-
-    cases = set()
-    for path, member in _fields(Recipe):
-        if member is not kind:
-            continue
-        if path[0] == "drafter":  # once per drafter kind that has the field
-            cases |= {(k, path) for k, section in DRAFTER_SECTIONS.items() if path[1] in section.model_fields}
-        else:
-            cases.add(("dflash", path))
+    """(drafter kind, path) of every `kind` field: the drafter's once per kind, from its own section."""
+    cases = {("dflash", path) for path, member in _fields(Recipe) if member is kind and path[0] != "drafter"}
+    for name, section in registry.sections().items():
+        cases |= {(name, ("drafter", *path)) for path, member in _fields(section) if member is kind}
     return sorted(cases)
 
 
@@ -202,9 +197,21 @@ def test_a_store_block_url_reaches_the_plan_unchanged(prefect_harness, tmp_path,
     """The Prefect tasks hand the store block's URL to the recipe as an override: it must arrive as
     the block holds it, not re-read as YAML (a '#' cut the URL short, `no` became a boolean)."""
     from blocks.infrastructure import HiddenStateStore
-    from tasks.infra import resolve
+    from draftflow.run_ref import RunRef
+    from tasks.infra import blocks_for
 
     name = f"store-url-{abs(hash(url)) % 10**8}"
     HiddenStateStore(url=url).save(name, overwrite=True)
-    infra = resolve(str(DEMO), [], name, None)
+    ref = RunRef(
+        recipe=str(DEMO),
+        recipe_sha256="",
+        recipe_text=None,
+        store_block=name,
+        name="demo",
+        fingerprint="",
+        data_root="",
+        mode="offline",
+        nnodes=1,
+    )
+    infra = blocks_for(ref, vllm=False)
     assert load_recipe(DEMO, infra.overrides).extraction.store == url

@@ -150,10 +150,10 @@ def test_trainer_and_extract_command_refuse_in_one_line_before_any_server(tmp_pa
 def test_the_flows_first_task_refuses_and_a_store_blocks_keys_let_it_through(
     tmp_path, smollm2_dir, no_credentials
 ):
-    from tasks.infra import Infra, plan_for
-    from tasks.recipe import resolve_plan
+    from draftflow.run_ref import RunRef
+    from tasks.recipe import resolve_run
 
     recipe = _recipe(tmp_path, smollm2_dir, store="s3://bucket/hs", run_dir="s3://bucket/runs")
     with pytest.raises(RecipeError, match="training.run_dir"):
-        resolve_plan.fn(recipe, [])  # no store block: nothing in the environment either
-    plan_for(recipe, Infra(overrides=[], storage_options=dict(KEYS)))  # what a store block resolves to
+        resolve_run.fn(recipe, [])  # no store block: nothing in the environment either
+    RunRef.create(recipe, [], storage_options=dict(KEYS))  # what a store block resolves to

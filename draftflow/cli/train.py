@@ -4,6 +4,7 @@ Validates the recipe, builds this node's torchrun command (draftflow.train.launc
 becomes it (exec): signals sent to this process reach torchrun directly, as if it had been
 typed. On several machines, run the same command on each with its own `--node-rank`
 (node 0 on the machine named by `training.rdzv_endpoint`) and the same `--run-id`.
+The flags it hands on to the trainer are declared once, in :mod:`draftflow.train.args`.
 """
 
 from __future__ import annotations
@@ -13,41 +14,34 @@ import os
 import shlex
 import sys
 
-from draftflow.cli import add_overrides
+from draftflow.train.args import add_trainer_arguments, switches_on
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train the recipe's drafter with torchrun on this node (one command per node)"
     )
-    p.add_argument("recipe")
+    add_trainer_arguments(p)
     p.add_argument(
         "--node-rank",
         type=int,
         default=0,
         help="this machine's node, 0..training.nnodes-1; node 0 hosts the rendezvous (default 0)",
     )
-    p.add_argument(
-        "--run-id", default="default", help="runs with the same id resume each other; the same on every node"
-    )
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
-    p.add_argument("--force-new", action="store_true", help="move this run id's earlier files aside first")
-    p.add_argument("--no-export", action="store_true")
     p.add_argument("--print-command", action="store_true", help="print the torchrun command and exit")
-    add_overrides(p)
     p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:
-    from draftflow.plan import Plan
     from draftflow.recipe.redact import SECRET_OVERRIDES_ENV
+    from draftflow.run_ref import RunRef
     from draftflow.train.launch import torchrun_launch
 
-    plan = Plan.load(args.recipe, args.overrides)  # RecipeError: one line, exit 2, nothing started
-    flags = tuple(f for f, on in (("--force-new", args.force_new), ("--no-export", args.no_export)) if on)
+    ref, plan = RunRef.create(args.recipe, args.overrides)  # RecipeError: one line, exit 2, nothing started
     cmd, env = torchrun_launch(
-        plan, args.run_id, node_rank=args.node_rank, max_steps=args.max_steps, trainer_args=flags
+        plan, args.run_id, node_rank=args.node_rank, max_steps=args.max_steps, trainer_args=switches_on(args)
     )
+    env |= ref.to_env()  # the trainer plans what was validated here (draftflow.run_ref)
     if args.print_command:
         print(shlex.join(cmd))
         if env:

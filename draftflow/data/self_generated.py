@@ -189,9 +189,8 @@ async def generate_conversations(
     partial = _Partial(partial_path)
     resumed = len(partial.firsts) + len(partial.conversations)
     try:
-        return await _generate(
-            settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial, resumed
-        )
+        job = _Job(settings, encoder, sample, reply, seed, reply_max_tokens, concurrency, partial)
+        return await _generate(job, resumed)
     except SelfGenerationError as err:
         partial.close()
         aside = partial.set_aside()
@@ -203,140 +202,177 @@ async def generate_conversations(
         partial.close()
 
 
-async def _generate(
-    settings: SelfGeneratedSection,
-    encoder: ChatEncoder,
-    sample: SampleText,
-    reply: Generate,
-    seed: int,
-    reply_max_tokens: int,
-    concurrency: int,
-    partial: _Partial,
-    resumed: int,
-) -> GenerationResult:
-    control = sorted(encoder.control_strings)
+@dataclass
+class _Job:
+    """One generation pass: its settings, the target's two endpoints and the partial file."""
 
-    def system_of(i: int) -> Conversation:
-        text = steering(settings, i)
-        return [{"role": "system", "content": text}] if text else []
+    settings: SelfGeneratedSection
+    encoder: ChatEncoder
+    sample: SampleText
+    reply: Generate
+    seed: int
+    reply_max_tokens: int
+    concurrency: int
+    partial: _Partial
+    control: list[str] = field(init=False)  # the template's: a turn holding one is dropped
 
-    async def sample_user(i: int, history: Conversation, turn: int) -> Sampled:
-        prefix = user_turn_prefix(encoder, system_of(i) + history)
-        ids = encoder.tokenizer(prefix, add_special_tokens=False)["input_ids"]
-        request_seed = (seed + i + turn * _SEED_STRIDE_PER_TURN) % (1 << 31)
-        out = await sample(ids, settings.max_tokens, settings.temperature, settings.top_p, request_seed)
+    def __post_init__(self):
+        self.control = sorted(self.encoder.control_strings)
+
+    async def sample_user(self, i: int, history: Conversation, turn: int) -> Sampled:
+        """User turn ``turn`` of attempt ``i``, after ``history``, steered by the attempt's system message."""
+        text = steering(self.settings, i)
+        system: Conversation = [{"role": "system", "content": text}] if text else []
+        prefix = user_turn_prefix(self.encoder, system + history)
+        ids = self.encoder.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        request_seed = (self.seed + i + turn * _SEED_STRIDE_PER_TURN) % (1 << 31)
+        settings = self.settings
+        out = await self.sample(ids, settings.max_tokens, settings.temperature, settings.top_p, request_seed)
         return Sampled(out.text.strip(), out.finish_reason)
 
-    # Phase 1: first user turns, in batches, cleaned in attempt order until enough are kept.
-    budget = math.ceil(settings.num_prompts * settings.max_attempts_ratio)
-    cleaner = PromptCleaner(settings.near_duplicate_threshold, control)
-    kept: list[int] = []
-    dropped: Counter = Counter()
-    decided = 0  # attempts 0..decided-1 have been judged
 
-    # The total is the attempts scheduled so far, not the whole budget: a budget of 3x the prompts
-    # wanted made the bar and its ETA promise three times the work that was usually needed.
-    prompts = stage("self-generating prompts", None, unit="prompts")
+@dataclass
+class _Prompts:
+    """The first user turns judged so far, in attempt order."""
 
-    async def first(i: int) -> None:
-        if i not in partial.firsts:
-            partial.firsts[i] = await sample_user(i, [], 0)
-            s = partial.firsts[i]
-            partial.append({"first": i, "text": s.text, "finish_reason": s.finish_reason})
-        prompts.advance()
+    kept: list[int] = field(default_factory=list)
+    dropped: Counter = field(default_factory=Counter)
+    decided: int = 0  # attempts 0..decided-1 have been judged
 
-    try:
-        while len(kept) < settings.num_prompts and decided < budget:
-            # Batch sizes change nothing in the result (attempts are judged in order), only how soon
-            # a target that writes nothing usable is caught: small batches until one prompt is kept.
-            wanted = settings.num_prompts - len(kept)
-            size = (
-                max(concurrency, math.ceil(wanted * 1.25))
-                if kept
-                else max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
-            )
-            batch = range(decided, min(budget, decided + size))
-            prompts.update(total=batch.stop)
-            await run_pool(batch, first, concurrency)
-            for i in batch:
-                if len(kept) == settings.num_prompts:
-                    break
-                s = partial.firsts[i]
-                reason = cleaner.check(s.text, s.finish_reason)
-                if reason:
-                    dropped[reason] += 1
-                else:
-                    kept.append(i)
-                decided = i + 1
-            if not kept and decided >= min(budget, MIN_ATTEMPTS_BEFORE_GIVING_UP):
+    def judge(self, batch: range, firsts: dict[int, Sampled], cleaner: PromptCleaner, wanted: int) -> None:
+        """Judge the batch's attempts in order until ``wanted`` prompts are kept."""
+        for i in batch:
+            if len(self.kept) == wanted:
                 break
-    finally:
-        prompts.close()
-    if not kept:
-        raise SelfGenerationError(
-            f"the target wrote no usable prompt: {decided} tried, {decided} dropped "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(dropped.items()))}); "
-            "check the target's chat template, temperature and max_tokens of the self_generated source"
-        )
-    if len(kept) < settings.num_prompts:
-        log.warning(
-            "self-generated: only %d of %d prompts kept after %d attempts (dropped %s)",
-            len(kept),
-            settings.num_prompts,
-            decided,
-            dict(dropped),
-        )
+            s = firsts[i]
+            reason = cleaner.check(s.text, s.finish_reason)
+            if reason:
+                self.dropped[reason] += 1
+            else:
+                self.kept.append(i)
+            self.decided = i + 1
 
-    # Phase 2: replies and follow-up turns for the kept prompts.
-    conversations = stage("self-generating conversations", len(kept), unit="conversations")
 
-    async def conversation(i: int) -> None:
-        if i not in partial.conversations:
-            partial.conversations[i] = await _converse(i, partial.firsts[i].text)
-            messages, drop, cut = partial.conversations[i]
-            partial.append({"conversation": i, "messages": messages, "drop": drop, "cut": cut})
-        conversations.advance(failed=int(partial.conversations[i][0] is None))
-
-    async def _converse(i: int, opener: str) -> tuple[Conversation | None, str | None, str | None]:
-        messages: Conversation = [{"role": "user", "content": opener}]
-        for turn in range(settings.turns):
-            if turn:
-                follow = await sample_user(i, messages, turn)
-                problem = turn_problem(follow.text, follow.finish_reason, control)
-                if problem:
-                    return messages, None, problem
-                messages.append({"role": "user", "content": follow.text})
-            try:
-                answer = await reply([dict(m) for m in messages], reply_max_tokens)
-            except Exception as err:  # a server error costs this conversation (or its follow-ups)
-                log.warning("self-generated reply to attempt %d failed: %s", i, err)
-                if turn:
-                    return messages[:-1], None, "reply_failed"
-                return None, "reply_failed", None
-            if not answer.strip():
-                if turn:
-                    return messages[:-1], None, "reply_empty"
-                return None, "reply_empty", None
-            messages.append({"role": "assistant", "content": answer.strip()})
-        return messages, None, None
-
-    try:
-        await run_pool(kept, conversation, concurrency)
-    finally:
-        conversations.close()
+async def _generate(job: _Job, resumed: int) -> GenerationResult:
+    """Steps 1-3 of the module docstring (the prompts), then step 4 (their conversations)."""
+    prompts = await _first_user_turns(job)
+    _check_prompts(job.settings, prompts)
+    await _write_conversations(job, prompts.kept)
     conversations: list[Conversation] = []
     cut: Counter = Counter()
-    for i in kept:
-        messages, drop, why_cut = partial.conversations[i]
+    for i in prompts.kept:
+        messages, drop, why_cut = job.partial.conversations[i]
         if drop:
-            dropped[drop] += 1
+            prompts.dropped[drop] += 1
             continue
         if why_cut:
             cut[why_cut] += 1
         conversations.append(messages)
     if not conversations:
         raise SelfGenerationError(
-            f"the target wrote no usable conversation: {decided} prompts tried, all dropped "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(dropped.items()))})"
+            f"the target wrote no usable conversation: {prompts.decided} prompts tried, all dropped "
+            f"({', '.join(f'{k} {v}' for k, v in sorted(prompts.dropped.items()))})"
         )
-    return GenerationResult(conversations, decided, dropped, cut, resumed)
+    return GenerationResult(conversations, prompts.decided, prompts.dropped, cut, resumed)
+
+
+async def _first_user_turns(job: _Job) -> _Prompts:
+    """Sample first user turns in batches, judged in attempt order, until ``num_prompts`` are kept,
+    the attempt budget is spent, or a target that writes nothing usable is caught."""
+    settings, partial = job.settings, job.partial
+    budget = math.ceil(settings.num_prompts * settings.max_attempts_ratio)
+    cleaner = PromptCleaner(settings.near_duplicate_threshold, job.control)
+    prompts = _Prompts()
+    # The total is the attempts scheduled so far, not the whole budget: a budget of 3x the prompts
+    # wanted made the bar and its ETA promise three times the work that was usually needed.
+    progress = stage("self-generating prompts", None, unit="prompts")
+
+    async def first(i: int) -> None:
+        if i not in partial.firsts:
+            partial.firsts[i] = await job.sample_user(i, [], 0)
+            s = partial.firsts[i]
+            partial.append({"first": i, "text": s.text, "finish_reason": s.finish_reason})
+        progress.advance()
+
+    try:
+        while len(prompts.kept) < settings.num_prompts and prompts.decided < budget:
+            size = _batch_size(settings.num_prompts - len(prompts.kept), bool(prompts.kept), job.concurrency)
+            batch = range(prompts.decided, min(budget, prompts.decided + size))
+            progress.update(total=batch.stop)
+            await run_pool(batch, first, job.concurrency)
+            prompts.judge(batch, partial.firsts, cleaner, settings.num_prompts)
+            if not prompts.kept and prompts.decided >= min(budget, MIN_ATTEMPTS_BEFORE_GIVING_UP):
+                break
+    finally:
+        progress.close()
+    return prompts
+
+
+def _batch_size(wanted: int, any_kept: bool, concurrency: int) -> int:
+    """Batch sizes change nothing in the result (attempts are judged in order), only how soon
+    a target that writes nothing usable is caught: small batches until one prompt is kept."""
+    if any_kept:
+        return max(concurrency, math.ceil(wanted * 1.25))
+    return max(concurrency, MIN_ATTEMPTS_BEFORE_GIVING_UP)
+
+
+def _check_prompts(settings: SelfGeneratedSection, prompts: _Prompts) -> None:
+    """Stop when no prompt was kept; warn when fewer than asked for were."""
+    if not prompts.kept:
+        raise SelfGenerationError(
+            f"the target wrote no usable prompt: {prompts.decided} tried, {prompts.decided} dropped "
+            f"({', '.join(f'{k} {v}' for k, v in sorted(prompts.dropped.items()))}); "
+            "check the target's chat template, temperature and max_tokens of the self_generated source"
+        )
+    if len(prompts.kept) < settings.num_prompts:
+        log.warning(
+            "self-generated: only %d of %d prompts kept after %d attempts (dropped %s)",
+            len(prompts.kept),
+            settings.num_prompts,
+            prompts.decided,
+            dict(prompts.dropped),
+        )
+
+
+async def _write_conversations(job: _Job, kept: list[int]) -> None:
+    """The reply and follow-up turns of each kept prompt, recorded in the partial file."""
+    partial = job.partial
+    progress = stage("self-generating conversations", len(kept), unit="conversations")
+
+    async def conversation(i: int) -> None:
+        if i not in partial.conversations:
+            partial.conversations[i] = await _converse(job, i, partial.firsts[i].text)
+            messages, drop, cut = partial.conversations[i]
+            partial.append({"conversation": i, "messages": messages, "drop": drop, "cut": cut})
+        progress.advance(failed=int(partial.conversations[i][0] is None))
+
+    try:
+        await run_pool(kept, conversation, job.concurrency)
+    finally:
+        progress.close()
+
+
+async def _converse(job: _Job, i: int, opener: str) -> tuple[Conversation | None, str | None, str | None]:
+    """(messages, why dropped, why cut): a failed first reply drops the conversation, a bad
+    follow-up or a failed later reply cuts it before that turn."""
+    messages: Conversation = [{"role": "user", "content": opener}]
+    for turn in range(job.settings.turns):
+        if turn:
+            follow = await job.sample_user(i, messages, turn)
+            problem = turn_problem(follow.text, follow.finish_reason, job.control)
+            if problem:
+                return messages, None, problem
+            messages.append({"role": "user", "content": follow.text})
+        try:
+            answer = await job.reply([dict(m) for m in messages], job.reply_max_tokens)
+        except Exception as err:  # a server error costs this conversation (or its follow-ups)
+            log.warning("self-generated reply to attempt %d failed: %s", i, err)
+            if turn:
+                return messages[:-1], None, "reply_failed"
+            return None, "reply_failed", None
+        if not answer.strip():
+            if turn:
+                return messages[:-1], None, "reply_empty"
+            return None, "reply_empty", None
+        messages.append({"role": "assistant", "content": answer.strip()})
+    return messages, None, None

@@ -8,8 +8,8 @@ From smallest to largest:
 * :mod:`~draftflow.extraction.shards` — :func:`extract_samples` (hidden states through a
   :class:`~draftflow.vllm.client.VLLMClient`, cast to the recipe dtype, rejected samples
   recorded as failures), :func:`extract_shard` (one planned shard, committed with
-  ``write_shard``) and :func:`extract_shard_by_id` (the same from small references — recipe
-  path, overrides, shard id, endpoint URLs — the body of a Prefect shard task).
+  ``write_shard``) and :func:`extract_shard_by_id` (the same from a plan, a shard id and endpoint
+  URLs — the body of a Prefect shard task).
 * :mod:`~draftflow.extraction.run` — :func:`run_extraction`, the whole stage in one process:
   check or start the servers, prepare the data if needed (regenerating replies through the
   same servers), reconcile, and extract only the missing, failed or corrupt shards;

@@ -23,7 +23,7 @@ from draftflow import paths
 from draftflow.async_run import run_coroutine
 from draftflow.extraction.faults import injected_fault, injected_hold
 from draftflow.extraction.samples import TrainSet, plan_shard, train_set
-from draftflow.plan import NOT_THE_STORE, Plan
+from draftflow.plan import Plan
 from draftflow.recipe.load import expand
 from draftflow.store import ExtractionInfo, FailedSample, PlannedShard, Sample, Store, write_shard
 from draftflow.store.shard import as_stored
@@ -240,8 +240,7 @@ async def extract_shard(
 
 
 def extract_shard_by_id(
-    recipe_path: str,
-    overrides: Sequence[str],
+    plan: Plan,
     shard_id: str,
     endpoints: Sequence[str],
     api_key: str | None = None,
@@ -250,7 +249,7 @@ def extract_shard_by_id(
     verify: bool | str = True,
     server: ServerHandle | None = None,
 ) -> ShardResult:
-    """Extract one shard from small references (the Prefect shard task's body).
+    """Extract one shard of ``plan`` by its id (the Prefect shard task's body).
 
     Idempotent: a shard that is already complete (and verifies) is skipped, so a rerun or a
     retried flow only does what is missing. The servers must be up (the flow checks them once
@@ -258,10 +257,6 @@ def extract_shard_by_id(
     check's handle, when this process holds it; a server of it that dies mid-shard is started
     again (when it has launch settings) and the shard runs again whole.
     """
-    # The flow checked every folder before it started; a shard task touches only the store.
-    plan = Plan.load(
-        recipe_path, list(overrides), storage_options=storage_options or None, skip_storage=NOT_THE_STORE
-    )
     store = Store(plan.data, dict(storage_options or {}))
     planned = plan_shard(plan, store, shard_id, verify=verify)
     if planned is None:

@@ -1,55 +1,27 @@
 """Drafter models (plain PyTorch), their losses, draft vocabularies and checkpoints.
 
-Each drafter kind is a subpackage (``config``, ``model``, ``attention``, ``checkpoint``,
-``algorithm``) whose :class:`~draftflow.models.algorithm.DrafterAlgorithm` subclass is the
-only thing the rest of draftflow talks to. :data:`ALGORITHMS` maps the recipe's
-``drafter.kind`` (= ``speculators_model_type``) to that class: adding a kind is one folder
-plus one line here (and its recipe section in ``draftflow/recipe/schema.py``).
+Each drafter kind is one subpackage: ``section`` (its recipe section), ``algorithm`` (its
+:class:`~draftflow.models.algorithm.DrafterAlgorithm` subclass, the only thing the rest of
+draftflow talks to, registered with ``@drafter_kind``) and its model code (``config``,
+``model``, ``attention``, ``checkpoint``). :mod:`draftflow.models.registry` finds the kinds,
+here and in other distributions' ``draftflow.drafters`` entry points: adding a kind is one
+folder, listed nowhere.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
-ALGORITHMS: dict[str, str] = {
-    "dflash": "draftflow.models.dflash.algorithm:DFlash",
-    "eagle3": "draftflow.models.eagle3.algorithm:Eagle3",
-}
-_REGISTERED: dict[str, type] = {}
+from draftflow.models.registry import UnknownDrafterKind, algorithm_class, drafter_kind, kinds
 
-
-def register(cls: type, section: type | None = None) -> None:
-    """Add a drafter kind at run time (a plugin, or a test's toy kind); ``section``: its recipe section."""
-    _REGISTERED[cls.kind] = cls
-    if section is not None:
-        # lazy: the model code alone (bench/gpu.py on a bare CUDA machine) runs without pydantic
-        from draftflow.recipe.schema import register_drafter_section
-
-        register_drafter_section(section)
-
-
-def unregister(kind: str) -> None:
-    """Undo :func:`register` (a test's toy kind must not leak into later tests)."""
-    from draftflow.recipe.schema import DRAFTER_SECTIONS, register_drafter_section
-
-    _REGISTERED.pop(kind, None)
-    if kind in DRAFTER_SECTIONS and kind not in ALGORITHMS:
-        register_drafter_section(DRAFTER_SECTIONS.pop(kind), remove=True)
-
-
-def kinds() -> list[str]:
-    return sorted(set(ALGORITHMS) | set(_REGISTERED))
-
-
-def algorithm_class(kind: str | None):
-    """The :class:`~draftflow.models.algorithm.DrafterAlgorithm` subclass of ``kind``."""
-    if kind in _REGISTERED:
-        return _REGISTERED[kind]
-    if kind not in ALGORITHMS:
-        raise ValueError(f"unknown drafter kind {kind!r}; known: {', '.join(kinds())}")
-    module, name = ALGORITHMS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
+__all__ = [
+    "UnknownDrafterKind",
+    "algorithm_class",
+    "checkpoint_info",
+    "drafter_kind",
+    "kinds",
+    "load_drafter",
+]
 
 
 def load_drafter(folder: str | Path, *, target: str | Path | None = None, **kwargs):
@@ -67,7 +39,7 @@ def checkpoint_info(folder: str | Path) -> dict:
     kind = speculators.model_type(config)
     try:
         key = algorithm_class(kind).aux_layer_ids_key
-    except ValueError:
+    except UnknownDrafterKind:
         raise ValueError(f"{folder}: unknown speculators_model_type {kind!r}") from None
     return {
         "kind": kind,

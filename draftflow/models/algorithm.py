@@ -12,7 +12,9 @@ A kind is a subclass of :class:`DrafterAlgorithm` wrapping one ``nn.Module``:
 - ``kind`` (= recipe ``drafter.kind`` = ``speculators_model_type``), ``aux_layer_ids_key`` (the
   ``config.json`` key of the target layers it reads) and kind-specific contract checks.
 
-:mod:`draftflow.models` maps each kind to its class (one registry line per kind).
+A kind's class lives in its package's ``algorithm`` module, decorated with
+``@drafter_kind(section=ItsSection)``, which sets ``kind`` from the section;
+:mod:`draftflow.models.registry` finds the package and imports that module when the kind is used.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class TrainSettings:
 class DrafterAlgorithm(ABC):
     """One drafter kind around its model; see the module doc."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[str]  # set by @drafter_kind from the section
     aux_layer_ids_key: ClassVar[str]
     architecture: ClassVar[str]  # config.json "architectures"
 
@@ -151,7 +153,7 @@ class DrafterAlgorithm(ABC):
         dtype: weight dtype on disk (default: the model's). include_embeddings: also ship the
         (frozen, target) embedding; vLLM shares the target's when it is absent.
         """
-        dtype = dtype or self.model.fc.weight.dtype
+        dtype = dtype or self.export_dtype()
         fields, layer_config = self.config_fields(list(aux_layer_ids))
         config = speculators.envelope(
             model_type=self.kind,
@@ -170,6 +172,14 @@ class DrafterAlgorithm(ABC):
             include_embeddings=include_embeddings,
         )
         return speculators.write_folder(out_dir, config, tensors)
+
+    def export_dtype(self) -> torch.dtype:
+        """What :meth:`export` writes when given no dtype: the trained weights' (the first trainable
+        parameter's; a frozen copy of target weights may be held in another dtype)."""
+        params = [p for p in self.model.parameters() if p.is_floating_point()]
+        if not params:
+            raise ValueError(f"{self.kind}: the model has no floating-point weights to export")
+        return next((p.dtype for p in params if p.requires_grad), params[0].dtype)
 
     # -- contract checks (kind-specific parts) ---------------------------------------------
 

@@ -6,7 +6,7 @@ import importlib.util
 import socket
 from dataclasses import dataclass, field
 
-from draftflow.recipe.load import RecipeError, expand, load_recipe
+from draftflow.recipe.load import RecipeError, apply_overrides, expand, load_recipe, recipe_from_dict
 from draftflow.recipe.schema import Recipe
 from draftflow.target import TargetInfo, read_target_info
 
@@ -72,9 +72,13 @@ def target_errors(recipe: Recipe, target: TargetInfo) -> list[str]:
     return errors
 
 
-def validate(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Validated:
-    """Schema checks, then target checks where the target's config is readable here."""
-    recipe = load_recipe(path, overrides)
+def validate(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict | None = None) -> Validated:
+    """Schema checks, then target checks where the target's config is readable here. ``data``: the
+    recipe file's content as read earlier (a run reference), instead of reading ``path`` now."""
+    if data is None:
+        recipe = load_recipe(path, overrides)
+    else:
+        recipe = recipe_from_dict(apply_overrides(data, overrides), path)
     target = read_target_info(expand(recipe.target.model), recipe.target.revision)
     if target is None:
         return Validated(recipe, None, skipped=list(TARGET_CHECKS))

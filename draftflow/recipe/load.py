@@ -17,7 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from draftflow.recipe.redact import redact_override
-from draftflow.recipe.schema import DRAFTER_SECTIONS, Recipe
+from draftflow.recipe.schema import Recipe
 
 
 class RecipeError(ValueError):
@@ -89,7 +89,7 @@ def format_validation_error(source: str, err: ValidationError) -> str:
     """One line per problem, each `SOURCE: dotted.field: message`; joined by '; '."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not _is_union_tag(p))
+        loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (not in the schema; check the spelling)"
@@ -97,11 +97,6 @@ def format_validation_error(source: str, err: ValidationError) -> str:
             msg = msg.removeprefix("Value error, ")
         parts.append(f"{source}: {loc or '(recipe)'}: {msg}")
     return "; ".join(parts)
-
-
-def _is_union_tag(part: object) -> bool:
-    # pydantic puts the discriminator value ("dflash") in the location of union members.
-    return part in DRAFTER_SECTIONS
 
 
 def read_yaml(path: str | Path) -> dict:

@@ -2,8 +2,9 @@
 
 This module is the only place defaults live (with the sections it imports: the `prefect`
 section in :mod:`draftflow.recipe.prefect_section`, the `vllm` section in
-:mod:`draftflow.recipe.vllm_section`). YAML files set what differs from here; code
-reads the validated object and never calls ``.get(key, default)`` on raw dicts.
+:mod:`draftflow.recipe.vllm_section`; and each drafter kind's section, in the kind's own
+``section`` module found by :mod:`draftflow.models.registry`). YAML files set what differs from
+here; code reads the validated object and never calls ``.get(key, default)`` on raw dicts.
 
 Checks that need nothing but the recipe run when the object is built (pydantic validators).
 Checks that need the target model's config (layer ids in range, draft vocab within the target
@@ -13,11 +14,20 @@ vocab) live in :mod:`draftflow.recipe.checks`: that config may not be readable (
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, FiniteFloat, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import (
+    BeforeValidator,
+    Field,
+    FiniteFloat,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from draftflow.models import registry
 from draftflow.recipe.prefect_section import PrefectSection
 from draftflow.recipe.section import (  # noqa: F401  (the bounds are re-exported)
     MAX_COUNT,
@@ -25,6 +35,7 @@ from draftflow.recipe.section import (  # noqa: F401  (the bounds are re-exporte
     MAX_SECONDS,
     MAX_TOKENS,
     MAX_VOCAB,
+    DrafterSection,
     Section,
 )
 from draftflow.recipe.vllm_section import VLLMLaunchSection, VLLMSection  # noqa: F401  (re-exported)
@@ -180,87 +191,44 @@ class ExtractionSection(Section):
         return dtype
 
 
-class DFlashSection(Section):
-    """DFlash: a block-diffusion drafter that drafts up to `block_size - 1` tokens per forward pass."""
-
-    kind: Literal["dflash"]
-    block_size: int = Field(8, ge=2, le=1024)
-    speculative_tokens: int | None = Field(
-        None,
-        ge=1,
-        le=1023,
-        description="Tokens drafted per step when served, 1..block_size - 1 (None: block_size - 1). Each "
-        "costs a verification slot in every decode step: bench/quality.py --draft-lengths.",
-    )
-    max_anchors: int = Field(512, ge=1, le=MAX_TOKENS, description="Blocks sampled per packed sequence.")
-    num_layers: int = Field(1, ge=1, le=256)
-    draft_vocab_size: int | None = Field(
-        None, ge=1, le=MAX_VOCAB, description="Reduced output vocabulary; None keeps the target's."
-    )
-    loss_decay_gamma: FiniteFloat | None = Field(
-        None, gt=0, le=1e6, description="w_k = exp(-(k-1)/gamma); default 4 for B<=8, 7 above."
-    )
-    mask_token_id: int | None = Field(
-        None, ge=0, le=MAX_VOCAB, description="Default: the tokenizer's mask or pad token."
-    )
-    context_layer_ids: list[int] | None = Field(
-        None, description="Extracted layers the drafter reads; default: all but the last layer L."
-    )
-    activation_checkpointing: bool = Field(
-        False,
-        description="Recompute each decoder layer in backward: far less memory at many anchors "
-        "for a longer step (docs/benchmarks.md, GPU training step; bench/gpu.py).",
-    )
-    init_from_target: bool = Field(
-        False, description="Start the decoder layers from the target's last ones, not random weights."
-    )
-
-    @model_validator(mode="after")
-    def _served_length(self) -> DFlashSection:
-        if self.speculative_tokens is None:  # sections are frozen: the default is set once, here
-            object.__setattr__(self, "speculative_tokens", self.block_size - 1)
-        elif self.speculative_tokens > self.block_size - 1:
-            raise ValueError(
-                f"speculative_tokens {self.speculative_tokens} exceeds block_size - 1 = "
-                f"{self.block_size - 1} (a block drafts at most that many)"
-            )
-        return self
-
-    @property
-    def decay_gamma(self) -> float:
-        if self.loss_decay_gamma is not None:
-            return self.loss_decay_gamma
-        return 4.0 if self.block_size <= 8 else 7.0
+def _drafter_section(value: Any) -> Any:
+    """``drafter`` validated as the section of the kind it names (each kind's ``section`` module,
+    found by :mod:`draftflow.models.registry`); errors keep their place, e.g. ``drafter.block_size``."""
+    if isinstance(value, DrafterSection):  # built in Python: validated when it was made
+        return value
+    if not isinstance(value, dict):
+        raise _error("model_attributes_type", (), value)
+    if "kind" not in value:
+        raise _error("missing", ("kind",), value)
+    found = registry.sections()
+    kind = value["kind"]
+    if not isinstance(kind, str) or kind not in found:
+        known = ", ".join(map(repr, found))
+        unknown = PydanticCustomError(
+            "drafter_kind",
+            "unknown drafter kind {kind}; known: {known}",
+            {"kind": repr(kind), "known": known},
+        )
+        raise _error(unknown, ("kind",), kind)
+    return found[kind].model_validate(value)
 
 
-class Eagle3Section(Section):
-    """Eagle3: an autoregressive one-layer drafter trained with training-time test."""
-
-    kind: Literal["eagle3"]
-    ttt_steps: int = Field(3, ge=1, le=16, description="Unrolled steps during training.")
-    ttt_decay: FiniteFloat = Field(0.8, gt=0, le=1, description="Loss weight of step k: decay**k.")
-    draft_vocab_size: int | None = Field(32000, ge=1, le=MAX_VOCAB)
-    speculative_tokens: int = Field(3, ge=1, le=64, description="Chain length when served.")
-    context_layer_ids: list[int] | None = Field(
-        None, description="Extracted layers the drafter reads; default: all but the last layer L."
-    )
-    activation_checkpointing: bool = Field(
-        False,
-        description="Recompute each TTT step (layer, then head and loss) in backward: a step keeps only its "
-        "output and keys for backward, so long packs fit (tests/models/test_eagle3_step_checkpointing.py).",
+def _error(error: str | PydanticCustomError, loc: tuple, value: Any) -> ValidationError:
+    # Raised in a validator, a ValidationError reaches the recipe's with each location under `drafter`.
+    return ValidationError.from_exception_data(
+        "drafter", [InitErrorDetails(type=error, loc=loc, input=value)]
     )
 
 
-DRAFTER_SECTIONS: dict[str, type[Section]] = {"dflash": DFlashSection, "eagle3": Eagle3Section}
+class _EveryKindJsonSchema:
+    """The JSON schema of ``drafter``: one of the kinds' sections, as the registry finds them."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict:
+        return {"oneOf": [handler(s.__pydantic_core_schema__) for s in registry.sections().values()]}
 
 
-def _drafter_union():
-    """The recipe's ``drafter`` field: one section per kind, told apart by ``kind``."""
-    sections = tuple(DRAFTER_SECTIONS.values())
-    return Annotated[Union[sections], Field(discriminator="kind")]  # noqa: UP007 (built at run time)
-
-
-Drafter = _drafter_union()
+# SerializeAsAny: a dump holds the kind's own fields, not only those of the base the field names.
+Drafter = Annotated[SerializeAsAny[DrafterSection], BeforeValidator(_drafter_section), _EveryKindJsonSchema()]
 
 
 class TrainingSection(Section):
@@ -486,15 +454,3 @@ def _check_layer_list(ids: list[int], field: str) -> None:
         raise ValueError(f"{field} {ids} has duplicates")
     if ids != sorted(ids):
         raise ValueError(f"{field} {ids} must be sorted ascending")
-
-
-def register_drafter_section(section: type[Section], *, remove: bool = False) -> None:
-    """Accept (or, with ``remove``, no longer accept) another drafter kind in recipes: its section
-    declares ``kind: Literal[...]`` and its defaults. Used by :func:`draftflow.models.register`."""
-    kind = section.model_fields["kind"].annotation.__args__[0]
-    if remove:
-        DRAFTER_SECTIONS.pop(kind, None)
-    else:
-        DRAFTER_SECTIONS[kind] = section
-    Recipe.model_fields["drafter"] = FieldInfo.from_annotation(_drafter_union())
-    Recipe.model_rebuild(force=True)

@@ -24,27 +24,20 @@ import tempfile
 from pathlib import Path
 
 from draftflow.train import EXIT_INTERRUPTED, EXIT_REFUSED, RESULT_PREFIX
+from draftflow.train.args import add_trainer_arguments
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m draftflow.train", description="Train the recipe's drafter.")
-    p.add_argument("recipe")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--run-id", default="default", help="runs with the same id resume each other")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
-    p.add_argument(
-        "--force-new",
-        action="store_true",
-        help="move this run id's earlier files aside (RUN_ID.replaced-TIME) and start again",
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m draftflow.train", description="Train the recipe's drafter."
     )
-    p.add_argument("--no-export", action="store_true")
-    return p.parse_args(argv)
+    add_trainer_arguments(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from draftflow.paths import RunLayout
-    from draftflow.plan import Plan
     from draftflow.recipe.load import RecipeError
     from draftflow.recipe.redact import restore_secret_overrides
     from draftflow.sample_source import MissingSamples
@@ -54,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # before the process group: a bad recipe or missing credentials is one line, no traceback
         # Secret overrides come redacted on argv, their values in the environment (train.launch).
-        plan = Plan.load(args.recipe, restore_secret_overrides(args.overrides))
+        plan = _plan(args.recipe, restore_secret_overrides(args.overrides))
     except RecipeError as err:
         print(f"draftflow.train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
@@ -69,6 +62,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     finally:
         shutdown(runtime)
+
+
+def _plan(recipe: str, overrides: list[str]):
+    """From the run reference the launcher put in the environment (draftflow.run_ref: what the run
+    started with, whatever happened to the file since); without one, from the recipe file."""
+    from draftflow.plan import Plan
+    from draftflow.recipe.catalog import resolve
+    from draftflow.recipe.load import RecipeError
+    from draftflow.run_ref import RUN_REF_ENV, RunRef
+
+    ref = RunRef.from_env()
+    if ref is None:
+        return Plan.load(recipe, overrides)
+    if Path(ref.recipe).resolve() != resolve(recipe).resolve():
+        raise RecipeError(f"${RUN_REF_ENV} is a run of {ref.recipe}, not of {recipe}")
+    return ref.plan(overrides)
 
 
 def _train(args, argv, plan, layout, runtime) -> int:

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,33 @@ def step_generator(seed: int, step: int, pack_index: int, device: torch.device) 
     return g
 
 
+@dataclass
+class _Run:
+    """What the steps of one run share: the model, its optimiser and schedule, the step plan, the
+    state a checkpoint saves, and where metric lines go."""
+
+    setup: DrafterSetup
+    model: torch.nn.Module
+    trainable: list[torch.nn.Parameter]
+    plan: StepPlan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: checkpointing.TrainState
+    metrics: MetricsLog
+    layout: RunLayout
+    runtime: Runtime
+    training: Any  # the recipe's TrainingSection
+    monitor: Any  # draftflow.train.monitor.Monitor or None
+    last_metrics: dict = field(default_factory=dict)  # the newest metric line
+
+    def save_checkpoint(self) -> str:  # rank 0
+        folder = checkpointing.save(self.layout, self.model, self.optimizer, self.scheduler, self.state)
+        self.metrics.flush()
+        if self.monitor is not None:
+            self.monitor.flush()
+        return folder
+
+
 def train(
     setup: DrafterSetup,
     source: Source,
@@ -87,6 +115,39 @@ def train(
 ) -> LoopResult:
     """`training` is the recipe's TrainingSection. `monitor` (a :class:`draftflow.train.monitor.Monitor`)
     validates and writes TensorBoard; `train_items` (default: every source item) excludes its split."""
+    run, found = _start(setup, source, layout, runtime, training, monitor, train_items)
+    loader = _loader(run, source)
+    stop = _Stop()
+    stopping = False
+    window = _Window()
+    try:
+        for batch in loader:
+            if max_steps is not None and run.state.step >= max_steps:
+                break
+            grad_norm = _step(run, batch, loader, window)
+            end_of_epoch = run.state.epoch_step == run.plan.epoch_lengths[batch.epoch]
+            _log_if_due(run, window, grad_norm, end_of_epoch)
+            if end_of_epoch:
+                run.state.epoch, run.state.epoch_step = run.state.epoch + 1, 0
+            lease_lost = run_state.lease_problem() is not None  # rank 0's lease, on an object store
+            stopping = bool(runtime.ranks_with(stop.requested or lease_lost))
+            if stopping and runtime.ranks_with(lease_lost):
+                raise _stop_for_lost_lease(run)
+            _checkpoint_if_due(run, end_of_epoch, stopping)
+            if stopping:
+                return LoopResult(run.state.step, found.folder, True, run.last_metrics, found.torn)
+    finally:
+        stop.release(stopping)
+        if monitor is not None:
+            monitor.close()
+    return LoopResult(run.state.step, found.folder, False, run.last_metrics, found.torn)
+
+
+def _start(
+    setup: DrafterSetup, source: Source, layout: RunLayout, runtime: Runtime, training, monitor, train_items
+) -> tuple[_Run, checkpointing.Resumable]:
+    """The model on its device, the step plan, optimiser and schedule, resumed from the newest
+    complete checkpoint if there is one; the checkpoint found."""
     torch.manual_seed(training.seed)
     model = setup.to(runtime.device)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -103,12 +164,31 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, plan.total_steps, training.warmup_ratio, training.schedule)
     )
-
     found, state = checkpointing.resume(layout, runtime, model, optimizer, scheduler)
-    resumed = found.folder
-    if resumed:
+    metrics = _continue_logs(found, state, layout, runtime, monitor)
+    run = _Run(
+        setup,
+        model,
+        trainable,
+        plan,
+        optimizer,
+        scheduler,
+        state,
+        metrics,
+        layout,
+        runtime,
+        training,
+        monitor,
+    )
+    return run, found
+
+
+def _continue_logs(found, state, layout: RunLayout, runtime: Runtime, monitor) -> MetricsLog:
+    """The metrics log cut back to the resumed step (lines of steps after it are written again);
+    the monitor starts from it too."""
+    if found.folder:
         print(
-            f"draftflow.train: rank {runtime.rank}/{runtime.world_size} resumes from {resumed} "
+            f"draftflow.train: rank {runtime.rank}/{runtime.world_size} resumes from {found.folder} "
             f"(step {state.step})",
             file=sys.stderr,
             flush=True,
@@ -117,103 +197,103 @@ def train(
     metrics.truncate_after(state.step)
     if monitor is not None:
         monitor.start(state.step, [json.loads(ln) for ln in metrics.lines])
+    return metrics
 
-    loader = StepLoader(
-        plan,
+
+def _loader(run: _Run, source: Source) -> StepLoader:
+    """This rank's share of each step, from the resumed position in the data on."""
+    return StepLoader(
+        run.plan,
         source,
-        setup.layers,
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        with_last=setup.with_last,
-        start_epoch=state.epoch,
-        start_step=state.epoch_step,
+        run.setup.layers,
+        rank=run.runtime.rank,
+        world_size=run.runtime.world_size,
+        with_last=run.setup.with_last,
+        start_epoch=run.state.epoch,
+        start_step=run.state.epoch_step,
     )
 
-    def save_checkpoint() -> str:  # rank 0
-        folder = checkpointing.save(layout, model, optimizer, scheduler, state)
-        metrics.flush()
-        if monitor is not None:
-            monitor.flush()
-        return folder
 
-    stop = _Stop()
-    stopping = False
-    last: dict = {}
-    window = _Window()
-    try:
-        for batch in loader:
-            if max_steps is not None and state.step >= max_steps:
-                break
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            stats = None
-            loss_sum = torch.zeros((), device=runtime.device)
-            for packed, gidx in zip(batch.packs, batch.global_index):
-                packed = _to(packed, runtime.device)
-                if training.loss_positions == "all":
-                    packed = with_every_position_labelled(packed)
-                gen = step_generator(training.seed, state.step, gidx, runtime.device)
-                if training.feature_noise:
-                    # its own stream: the anchors drawn from `gen` stay those of a run without noise
-                    noise = step_generator(
-                        training.seed + NOISE_SEED_OFFSET, state.step, gidx, runtime.device
-                    )
-                    packed = with_feature_noise(packed, training.feature_noise, noise)
-                with runtime.autocast():
-                    out = setup.loss_fn(model, packed, gen)
-                (out.loss / training.batch_size).backward()
-                loss_sum += out.loss.detach()
-                stats = out.metrics if stats is None else _add(stats, out.metrics)
-            average_gradients(trainable, runtime)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, training.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            state.step += 1
-            state.epoch, state.epoch_step = batch.epoch, batch.epoch_step + 1
-            window.add(
-                time.perf_counter() - t0, batch.tokens, loss_sum / training.batch_size, stats, loader.wait_s
-            )
-            loader.wait_s = 0.0
+def _step(run: _Run, batch, loader: StepLoader, window: _Window) -> torch.Tensor:
+    """One optimiser step on this rank's packs, gradients averaged over ranks; the gradient norm."""
+    t0 = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)
+    loss_sum, stats = _backward(run, batch)
+    average_gradients(run.trainable, run.runtime)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable, run.training.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    state = run.state
+    state.step += 1
+    state.epoch, state.epoch_step = batch.epoch, batch.epoch_step + 1
+    window.add(
+        time.perf_counter() - t0, batch.tokens, loss_sum / run.training.batch_size, stats, loader.wait_s
+    )
+    loader.wait_s = 0.0
+    return grad_norm
 
-            end_of_epoch = state.epoch_step == plan.epoch_lengths[batch.epoch]
-            validate = monitor is not None and monitor.validation_due(state.step, end_of_epoch)
-            if state.step % training.log_every == 0 or end_of_epoch or validate:
-                last = window.record(
-                    state,
-                    runtime,
-                    lr=scheduler.get_last_lr()[0],
-                    grad_norm=float(grad_norm),
-                    total_steps=plan.total_steps,
-                )
-                if validate:
-                    last.update(monitor.validate(model, state.step))
-                metrics.log(last)
-                if monitor is not None:
-                    monitor.logged(last)
-            if end_of_epoch:
-                state.epoch, state.epoch_step = state.epoch + 1, 0
-            lease_lost = run_state.lease_problem() is not None  # rank 0's lease, on an object store
-            stopping = bool(runtime.ranks_with(stop.requested or lease_lost))
-            if stopping and runtime.ranks_with(lease_lost):
-                error = run_state.stop_for_lost_lease(runtime, save_checkpoint)
-                if monitor is not None:  # what it had to keep went with that checkpoint, if any
-                    monitor.close(upload=False)
-                raise error
-            if (
-                stopping
-                or end_of_epoch
-                or (training.checkpoint_every and state.step % training.checkpoint_every == 0)
-            ):
-                if runtime.is_main:
-                    save_checkpoint()
-                runtime.barrier()
-            if stopping:
-                return LoopResult(state.step, resumed, True, last, found.torn)
-    finally:
-        stop.release(stopping)
-        if monitor is not None:
-            monitor.close()
-    return LoopResult(state.step, resumed, False, last, found.torn)
+
+def _backward(run: _Run, batch) -> tuple[torch.Tensor, object]:
+    """Forward and backward over each pack of the step (a micro-batch each, gradients summed);
+    the packs' summed loss and loss metrics."""
+    training, device, step = run.training, run.runtime.device, run.state.step
+    stats = None
+    loss_sum = torch.zeros((), device=device)
+    for packed, gidx in zip(batch.packs, batch.global_index):
+        packed = _to(packed, device)
+        if training.loss_positions == "all":
+            packed = with_every_position_labelled(packed)
+        gen = step_generator(training.seed, step, gidx, device)
+        if training.feature_noise:
+            # its own stream: the anchors drawn from `gen` stay those of a run without noise
+            noise = step_generator(training.seed + NOISE_SEED_OFFSET, step, gidx, device)
+            packed = with_feature_noise(packed, training.feature_noise, noise)
+        with run.runtime.autocast():
+            out = run.setup.loss_fn(run.model, packed, gen)
+        (out.loss / training.batch_size).backward()
+        loss_sum += out.loss.detach()
+        stats = out.metrics if stats is None else _add(stats, out.metrics)
+    return loss_sum, stats
+
+
+def _log_if_due(run: _Run, window: _Window, grad_norm: torch.Tensor, end_of_epoch: bool) -> None:
+    """A metric line every `log_every` steps, at the end of each epoch and with each validation."""
+    state, monitor = run.state, run.monitor
+    validate = monitor is not None and monitor.validation_due(state.step, end_of_epoch)
+    if not (state.step % run.training.log_every == 0 or end_of_epoch or validate):
+        return
+    last = window.record(
+        state,
+        run.runtime,
+        lr=run.scheduler.get_last_lr()[0],
+        grad_norm=float(grad_norm),
+        total_steps=run.plan.total_steps,
+    )
+    if validate:
+        last.update(monitor.validate(run.model, state.step))
+    run.metrics.log(last)
+    if monitor is not None:
+        monitor.logged(last)
+    run.last_metrics = last
+
+
+def _stop_for_lost_lease(run: _Run) -> run_state.LeaseLost:
+    """Every rank, once rank 0's lost lease was agreed: the last checkpoint if rank 0 may still
+    write one, the monitor closed; the error to raise."""
+    error = run_state.stop_for_lost_lease(run.runtime, run.save_checkpoint)
+    if run.monitor is not None:  # what it had to keep went with that checkpoint, if any
+        run.monitor.close(upload=False)
+    return error
+
+
+def _checkpoint_if_due(run: _Run, end_of_epoch: bool, stopping: bool) -> None:
+    """Rank 0 writes a checkpoint at a stop, at the end of each epoch and every `checkpoint_every`
+    steps; the others wait for it."""
+    every = run.training.checkpoint_every
+    if stopping or end_of_epoch or (every and run.state.step % every == 0):
+        if run.runtime.is_main:
+            run.save_checkpoint()
+        run.runtime.barrier()
 
 
 def average_gradients(params: list[torch.nn.Parameter], runtime: Runtime) -> None:

@@ -169,12 +169,9 @@ def test_hybrid_requests_only_missing_samples_and_keeps_them(
     local_run: Run, extraction_server, tmp_path: Path
 ):
     plan = fresh_plan(local_run, tmp_path, "hybrid")
-    overrides = list(plan.overrides)
     for shard in ("000000", "000001"):  # half the shards pre-generated, as a Prefect shard task would
-        assert (
-            extract_shard_by_id(local_run.recipe, overrides, shard, [extraction_server.url]).samples_ok == 4
-        )
-    assert extract_shard_by_id(local_run.recipe, overrides, "000000", [extraction_server.url]).skipped
+        assert extract_shard_by_id(plan, shard, [extraction_server.url]).samples_ok == 4
+    assert extract_shard_by_id(plan, "000000", [extraction_server.url]).skipped
 
     before = request_count(extraction_server.url)
     source = SampleSource(plan)
@@ -207,7 +204,7 @@ def test_online_mode_leaves_no_files(local_run: Run, staging_dir: Path, tmp_path
 
 def test_offline_mode_names_what_is_missing(local_run: Run, extraction_server, tmp_path: Path):
     plan = fresh_plan(local_run, tmp_path, "offline")
-    extract_shard_by_id(local_run.recipe, list(plan.overrides), "000001", [extraction_server.url])
+    extract_shard_by_id(plan, "000001", [extraction_server.url])
     with pytest.raises(MissingSamples) as info:
         SampleSource(plan)
     message = str(info.value)

@@ -52,7 +52,7 @@ def test_a_sample_the_server_fails_every_time_costs_only_that_sample(
         ids = [e.sample_id for e in expected_samples(plan, store)][:4]  # shard 000000
         bad = ids[1]
         poisoned.append(train_set(store).tokens(bad)[0].tolist())
-        result = extract_shard_by_id(plan.recipe_path, [], "000000", [proxy.url])
+        result = extract_shard_by_id(plan, "000000", [proxy.url])
         seen = {
             json.loads(body)["prompt"].__repr__(): n
             for (path, body), n in proxy.seen.items()
@@ -85,7 +85,7 @@ def test_a_request_retried_after_a_timeout_leaves_no_staging_file(
         plan = prepared_recipe(
             tmp_path, smollm2_dir, proxy.url, staging_dir, request_retries=3, request_timeout_s=3.0
         )
-        result = extract_shard_by_id(plan.recipe_path, [], "000000", [proxy.url])
+        result = extract_shard_by_id(plan, "000000", [proxy.url])
         assert result.samples_ok == 4 and result.samples_failed == 0, result
         attempts = [n for (path, body), n in proxy.seen.items() if path == "/v1/completions"]
         assert len(attempts) == 4 and min(attempts) >= 2, attempts  # every sample was retried

@@ -7,6 +7,7 @@ from pathlib import Path
 from prefect_helpers import write_tiny_recipe
 
 from draftflow.plan import Plan
+from draftflow.run_ref import RunRef
 from draftflow.store.shard import FORMAT_VERSION
 from tasks.extract import shard_cache_key
 
@@ -18,16 +19,8 @@ def test_shard_cache_key_names_fingerprint_store_shard_and_format(smollm2_dir: P
     fingerprint = Plan.load(recipe).fingerprint
 
     def key(shard: str = "000001", overrides: tuple[str, ...] = ()) -> str:
-        return shard_cache_key(
-            None,
-            {
-                "recipe": recipe,
-                "overrides": list(overrides),
-                "fingerprint": fingerprint,
-                "shard": shard,
-                "store_block": None,
-            },
-        )
+        ref, _ = RunRef.create(recipe, list(overrides))
+        return shard_cache_key(None, {"ref": ref, "shard": shard, "server_ref": None})
 
     moved = (f"extraction.store={tmp_path / 'b'}",)
     assert Plan.load(recipe, list(moved)).fingerprint == fingerprint  # same data, another place

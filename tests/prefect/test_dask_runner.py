@@ -79,7 +79,7 @@ def test_shards_spread_over_the_local_cluster_workers(
     started = time.monotonic()
     state = extract(recipe, return_state=True)
     assert state.is_completed(), state.message
-    assert state.result()["failed"] == 0
+    assert state.result().failed == 0
     shards = _complete_once(recipe)
     assert len(shards) == 5
 
@@ -146,7 +146,7 @@ def test_worker_killed_mid_shard_reruns_it_without_duplicates(
         state = extract(recipe, return_state=True)
         killer.join(5)
         assert state.is_completed(), state.message
-        assert state.result()["failed"] == 0
+        assert state.result().failed == 0
 
     assert len(killed) == 1 and killed[0] in worker_pids, (killed, worker_pids)  # a Dask worker died
     shards = _complete_once(recipe)

@@ -46,20 +46,20 @@ def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, 
     checkpoint, report = checkpoint_and_report(tiny_llama_dir, tmp_path, tau=1.8)
 
     first = publish(recipe, checkpoint, report, destination_block=name)
-    assert first["pushed"] and first["location"] == f"{url}/prefect-publish-{first['version']}"
+    assert first.pushed and first.location == f"{url}/prefect-publish-{first.version}"
     files = listing(fs, url)
-    version_dir = f"prefect-publish-{first['version']}"
+    version_dir = f"prefect-publish-{first.version}"
     local = sorted(p.relative_to(checkpoint).as_posix() for p in Path(checkpoint).rglob("*") if p.is_file())
     assert files == sorted([f"{version_dir}/{f}" for f in local] + [f"{version_dir}/{PUBLISHED_MARKER}"])
     assert {"README.md", "config.json", "model.safetensors", "acceptance.png"} <= set(local)
     card = fs.cat(f"{url.removeprefix('s3://')}/{version_dir}/{MODEL_CARD}").decode()
     assert card.startswith("---\n") and "\n---\n# prefect-publish: a dflash drafter for" in card
     assert "gate passed: τ 1.800" in card
-    assert first["location"] in card  # served from the published copy
+    assert first.location in card  # served from the published copy
     assert "![Per-position acceptance](acceptance.png)" in card
 
     second = publish(recipe, checkpoint, report, destination_block=name)
-    assert second == {**first, "pushed": False}  # same content hash: nothing written
+    assert (second.pushed, second.location, second.version) == (False, first.location, first.version)
     assert listing(fs, url) == files
 
 

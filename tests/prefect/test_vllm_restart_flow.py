@@ -112,7 +112,7 @@ def test_extract_flow_restarts_a_launched_server_killed_mid_run(
     expected = [e.sample_id for e in expected_samples(plan, store)]
     assert 4 <= seen.get("served at kill", 0) < len(expected), seen  # killed mid-run
     assert seen.get("new group"), seen  # a server was started again
-    assert summary["failed"] == 0
+    assert summary.failed == 0
     ids = read_manifest(store)["sample_id"].to_pylist()
     assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids)  # none lost, none twice
     assert verify(store).ok

@@ -105,10 +105,11 @@ def test_a_run_dir_on_an_object_store_needs_no_declaration(train_recipe, capsys,
 
 
 def test_the_prefect_train_task_starts_the_node_it_is_given(train_recipe, capsys):
+    from draftflow.run_ref import RunRef
     from tasks.train import node_launch
 
-    overrides = MULTINODE[1::2] + SHARED[1::2]
-    _, task_cmd, env = node_launch(str(train_recipe), overrides, "job7", node_rank=1, max_steps=3)
+    ref, _ = RunRef.create(str(train_recipe), MULTINODE[1::2] + SHARED[1::2])
+    _, task_cmd, env = node_launch(ref, "job7", node_rank=1, max_steps=3)
     code, out, err = _cli(
         capsys,
         train_recipe,
@@ -124,9 +125,9 @@ def test_the_prefect_train_task_starts_the_node_it_is_given(train_recipe, capsys
     )
     assert code == 0, err
     assert task_cmd == shlex.split(out.strip())  # what `draftflow train` runs on that machine
-    assert "--rdzv-conf=is_host=0" in task_cmd and env == {}
+    assert "--rdzv-conf=is_host=0" in task_cmd and env == ref.to_env()  # the reference, no secret
     with pytest.raises(Exception, match="node rank 2 is outside 0..1"):
-        node_launch(str(train_recipe), overrides, "job7", node_rank=2)
+        node_launch(ref, "job7", node_rank=2)
 
 
 def test_a_node_without_global_rank_0_points_the_task_at_the_shared_run_folder(train_recipe):
@@ -137,11 +138,7 @@ def test_a_node_without_global_rank_0_points_the_task_at_the_shared_run_folder(t
     plan = Plan.load(str(train_recipe), MULTINODE[1::2] + SHARED[1::2])
     layout = RunLayout.for_run(plan.recipe.training.run_dir, plan.recipe.name, plan.fingerprint, "job7")
     before = _other_node_result(plan, "job7", 1)
-    assert before == {
-        "node_rank": 1,
-        "result_on_another_node": True,
-        "run_dir": layout.root,
-        "export_dir": None,
-    }
+    assert (before.node_rank, before.result_on_another_node) == (1, True)
+    assert (before.run_dir, before.export_dir) == (layout.root, None)
     Path(layout.export_dir).mkdir(parents=True)  # rank 0's export, written on the other node
-    assert _other_node_result(plan, "job7", 1)["export_dir"] == layout.export_dir
+    assert _other_node_result(plan, "job7", 1).export_dir == layout.export_dir

@@ -1,14 +1,39 @@
-"""DFlash block-diffusion drafter: config, model (+ loss), attention, checkpoint fields, algorithm."""
+"""DFlash block-diffusion drafter: recipe section, config, model (+ loss), attention, checkpoint
+fields, algorithm.
 
-from draftflow.models.dflash import attention, checkpoint, config, model
-from draftflow.models.dflash.algorithm import DFlash
-from draftflow.models.dflash.config import DFlashConfig, resolve_mask_token_id
-from draftflow.models.dflash.model import DFlashDrafter, dflash_loss, sample_anchors
+Names are imported on first use: a recipe imports only ``section`` (no torch), the model code
+(``bench/gpu.py``) only ``config`` and ``model`` (no pydantic).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftflow.models.dflash import algorithm, attention, checkpoint, config, model, section
+    from draftflow.models.dflash.algorithm import DFlash
+    from draftflow.models.dflash.config import DFlashConfig, resolve_mask_token_id
+    from draftflow.models.dflash.model import DFlashDrafter, dflash_loss, sample_anchors
+    from draftflow.models.dflash.section import DFlashSection
+
+_NAMES = {
+    "DFlash": "algorithm",
+    "DFlashConfig": "config",
+    "resolve_mask_token_id": "config",
+    "DFlashDrafter": "model",
+    "dflash_loss": "model",
+    "sample_anchors": "model",
+    "DFlashSection": "section",
+}
+_MODULES = ("algorithm", "attention", "checkpoint", "config", "model", "section")
 
 __all__ = [
     "DFlash",
     "DFlashConfig",
     "DFlashDrafter",
+    "DFlashSection",
+    "algorithm",
     "attention",
     "checkpoint",
     "config",
@@ -16,4 +41,13 @@ __all__ = [
     "model",
     "resolve_mask_token_id",
     "sample_anchors",
+    "section",
 ]
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,8 +13,10 @@ from draftflow.models.common import PackedBatch
 from draftflow.models.dflash import checkpoint
 from draftflow.models.dflash.config import resolve_mask_token_id
 from draftflow.models.dflash.model import DFlashDrafter, dflash_loss
+from draftflow.models.dflash.section import DFlashSection
 from draftflow.models.known_issues import DFLASH_CPU_K_NORM
 from draftflow.models.losses import LossOutput
+from draftflow.models.registry import drafter_kind
 from draftflow.models.vocab import DraftVocab
 
 
@@ -29,8 +31,8 @@ def recipe_mask_token(recipe, target_model: str) -> int:
     return resolve_mask_token_id(tokenizer)
 
 
+@drafter_kind(section=DFlashSection)
 class DFlash(DrafterAlgorithm):
-    kind = "dflash"
     aux_layer_ids_key = checkpoint.AUX_LAYER_IDS_KEY
     architecture = checkpoint.ARCHITECTURE
 

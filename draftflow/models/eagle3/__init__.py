@@ -1,17 +1,49 @@
-"""Eagle3 autoregressive drafter: config, model (+ TTT loss), attention, checkpoint fields, algorithm."""
+"""Eagle3 autoregressive drafter: recipe section, config, model (+ TTT loss), attention, checkpoint
+fields, algorithm.
 
-from draftflow.models.eagle3 import attention, checkpoint, config, model
-from draftflow.models.eagle3.algorithm import Eagle3
-from draftflow.models.eagle3.config import Eagle3Config
-from draftflow.models.eagle3.model import Eagle3Drafter, eagle3_loss
+Names are imported on first use: a recipe imports only ``section`` (no torch), the model code
+(``bench/gpu.py``) only ``config`` and ``model`` (no pydantic).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftflow.models.eagle3 import algorithm, attention, checkpoint, config, model, section
+    from draftflow.models.eagle3.algorithm import Eagle3
+    from draftflow.models.eagle3.config import Eagle3Config
+    from draftflow.models.eagle3.model import Eagle3Drafter, eagle3_loss
+    from draftflow.models.eagle3.section import Eagle3Section
+
+_NAMES = {
+    "Eagle3": "algorithm",
+    "Eagle3Config": "config",
+    "Eagle3Drafter": "model",
+    "eagle3_loss": "model",
+    "Eagle3Section": "section",
+}
+_MODULES = ("algorithm", "attention", "checkpoint", "config", "model", "section")
 
 __all__ = [
     "Eagle3",
     "Eagle3Config",
     "Eagle3Drafter",
+    "Eagle3Section",
+    "algorithm",
     "attention",
     "checkpoint",
     "config",
     "eagle3_loss",
     "model",
+    "section",
 ]
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

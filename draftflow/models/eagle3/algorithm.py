@@ -10,12 +10,14 @@ from draftflow.models.algorithm import DrafterAlgorithm, DraftState, TrainSettin
 from draftflow.models.common import PackedBatch
 from draftflow.models.eagle3 import checkpoint
 from draftflow.models.eagle3.model import Eagle3Drafter, eagle3_loss
+from draftflow.models.eagle3.section import Eagle3Section
 from draftflow.models.losses import LossOutput
+from draftflow.models.registry import drafter_kind
 from draftflow.models.vocab import DraftVocab
 
 
+@drafter_kind(section=Eagle3Section)
 class Eagle3(DrafterAlgorithm):
-    kind = "eagle3"
     aux_layer_ids_key = checkpoint.AUX_LAYER_IDS_KEY
     architecture = checkpoint.ARCHITECTURE
 

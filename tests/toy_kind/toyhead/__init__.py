@@ -1,0 +1,1 @@
+"""A toy drafter kind: k independent heads on the target's states (Medusa-like)."""
