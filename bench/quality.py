@@ -59,7 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DRAFTFLOW = str(Path(sys.executable).with_name("draftflow"))
 DEFAULT_RECIPE = REPO / "recipes" / "smollm2-135m-dflash-cpu-quality.yaml"
-NO_GATE = ["--set", "evaluation.min_acceptance_length=1.0"]
+NO_GATE = ["--set", "evaluation.min_acceptance_length=1.0", "--set", "evaluation.min_speedup=null"]
 
 
 def ablation_overrides(num_prompts: int) -> list[str]:

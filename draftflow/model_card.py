@@ -16,9 +16,11 @@ from pathlib import Path, PurePosixPath
 from huggingface_hub import ModelCardData
 
 from draftflow.evaluation.report import AcceptanceReport, Evaluation, rounds_text
+from draftflow.evaluation.speed import speed_table
 from draftflow.recipe.schema import Recipe
 
 CHART_FILE = "acceptance.png"
+HISTORY_ROWS = 10  # the newest release events the card shows
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,38 @@ def _verdict(evaluation: Evaluation) -> list[str]:
     lines.append(
         f"- gate passed: τ {evaluation.tau:.3f} (at least {evaluation.min_acceptance_length:.3f} required)"
     )
+    speedup, note = evaluation.speedup, evaluation.speed_gate_note()
+    if note:
+        lines.append(f"- {note}")
+    elif speedup is not None and evaluation.min_speedup is not None:
+        lines.append(
+            f"- gate passed: speed-up {speedup:.2f}x over the verifier alone (at least "
+            f"{evaluation.min_speedup:.2f}x required)"
+        )
+    for name in evaluation.must_beat if speedup is not None else []:
+        other = evaluation.baselines.get(name)
+        if other is not None:
+            verb = "beats" if speedup > other["speedup"] else "does not beat"
+            lines.append(
+                f"- {verb} {name} (train-free speculation, {other['speedup']:.2f}x) in the same runs"
+            )
     return lines
+
+
+def _speed(evaluation: Evaluation) -> list[str]:
+    """The decode-speed table: the verifier alone, each train-free baseline, the drafter."""
+    throughput = evaluation.vllm.throughput if evaluation.vllm else None
+    if not throughput:
+        return []
+    return [
+        "## Decode speed",
+        "",
+        "Greedy decoding in vLLM at batch size 1, each side on the same prompts in the same rounds "
+        "(completion tokens / request time, pooled over the rounds).",
+        "",
+        *speed_table(throughput, evaluation.meta.get("prompt_categories")),
+        "",
+    ]
 
 
 def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
@@ -147,6 +180,26 @@ def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
     ]
 
 
+def _history_table(history: list[dict]) -> list[str]:
+    """The newest events of the destination's release history (``draftflow.releases``)."""
+    lines = [
+        "## Release history",
+        "",
+        "Earlier events of this recipe at the destination when this version was published, newest "
+        "first (`draftflow releases list` shows which version is current now).",
+        "",
+        "| version | date (UTC) | event | τ |",
+        "|---|---|---|---|",
+    ]
+    for event in history[-HISTORY_ROWS:][::-1]:
+        tau = (event.get("details") or {}).get("tau")
+        tau = f"{tau:.3f}" if isinstance(tau, int | float) else "–"
+        lines.append(
+            f"| `{event.get('version') or '–'}` | {str(event.get('time', ''))[:10]} | {event.get('event')} | {tau} |"
+        )
+    return [*lines, ""]
+
+
 def render(
     *,
     recipe: Recipe,
@@ -156,8 +209,10 @@ def render(
     location: str,
     folder_name: str,
     chart: bool,
+    history: list[dict] | None = None,
 ) -> str:
-    """The card's Markdown for the checkpoint published at ``location``."""
+    """The card's Markdown for the checkpoint published at ``location``; ``history``: the release
+    events at its destination so far (none: no history section)."""
     verifier = verifier_of(recipe)
     kind, k = provenance["drafter"], int(provenance["speculative_tokens"])
     shown = f"`{verifier.name}`" + (f" (revision `{verifier.revision}`)" if verifier.revision else "")
@@ -186,6 +241,7 @@ def render(
         "",
         *_verdict(evaluation),
         "",
+        *_speed(evaluation),
     ]
     if chart:
         lines += [f"![Per-position acceptance]({CHART_FILE})", ""]
@@ -198,4 +254,6 @@ def render(
         "record how it was made.",
         "",
     ]
+    if history:
+        lines += _history_table(history)
     return "\n".join(lines)

@@ -281,4 +281,9 @@ EXPORT_RECIPE = "recipe.yaml"
 EXPORT_COMMAND = "train_command.txt"
 EXPORT_SELECTION = "selection.json"  # which training step was exported, and why
 MODEL_CARD = "README.md"
+# A publish destination (draftflow.releases): DEST/NAME-VERSION/ folders, each complete once it holds
+# PUBLISHED_MARKER, and per recipe DEST/NAME + RELEASE_POINTER_SUFFIX and + RELEASE_HISTORY_SUFFIX.
+PUBLISHED_MARKER = "PUBLISHED"
+RELEASE_POINTER_SUFFIX = ".current.json"
+RELEASE_HISTORY_SUFFIX = ".history.jsonl"
 PROVENANCE = "provenance.json"

@@ -11,9 +11,11 @@ both call it). It refuses, pushing nothing, when
 A published version is named by the content hash of the folder (its card aside), so pushing the
 same checkpoint twice writes nothing the second time. fsspec destinations get the files first
 and a ``PUBLISHED`` marker last (a reader trusts only marked versions; a local version folder
-appears by one rename, complete with its marker); the Hugging Face Hub
+appears by one rename, complete with its marker). Then the recipe's release pointer names the
+version and the release history gets a line (:mod:`draftflow.releases`). The Hugging Face Hub
 path uploads one commit into a repository created **private** unless the destination says
-otherwise, and skips the upload when the Hub already holds that version.
+otherwise, and skips the upload when the Hub already holds that version; it keeps no pointer
+(the Hub has its own revisions).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import logging
 import os
 import secrets
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -40,11 +42,10 @@ from draftflow.models.speculators import checkpoint_digest
 from draftflow.paths import EXPORT_RECIPE, MODEL_CARD, join
 from draftflow.recipe.load import expand, recipe_from_dict
 from draftflow.recipe.schema import Recipe
+from draftflow.releases import PUBLISHED_MARKER, Releases, marker_bytes
 from draftflow.remote import is_remote, local_copy
 
 log = logging.getLogger(__name__)
-
-PUBLISHED_MARKER = "PUBLISHED"
 VERSION_FILE = "draftflow-version.json"
 _NOT_VERSIONED = (VERSION_FILE, MODEL_CARD)  # the card names the version, so it cannot be part of it
 
@@ -97,6 +98,7 @@ class Published:
     location: str | None  # None: no destination, nothing pushed
     version: str
     pushed: bool  # False when that exact version was already there
+    previous: str | None = None  # the version the release pointer named before (fsspec destinations)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -126,11 +128,9 @@ def check_publishable(checkpoint: Path, evaluation: Evaluation, target_info=None
             f"{evaluation.checkpoint_digest[:12]}…) than {checkpoint} holds "
             f"({digest[:12]}…): evaluate this checkpoint; nothing was pushed"
         )
-    if not evaluation.passed_gate:
-        raise PublishRefused(
-            f"gate failed: τ {evaluation.tau:.3f} < evaluation.min_acceptance_length "
-            f"{evaluation.min_acceptance_length}; nothing was pushed"
-        )
+    failures = evaluation.gate_failures()  # τ, then the speed-up (when measured) and its baselines
+    if failures:
+        raise PublishRefused(f"gate failed: {'; '.join(failures)}; nothing was pushed")
     if not evaluation.agrees:
         raise PublishRefused(f"{evaluation.disagreement()}; nothing was pushed")
     problems = list(evaluation.contract_problems) or check_contract(checkpoint, target_info)
@@ -152,7 +152,8 @@ def publish(
     ``report``: the ``report.json`` of the evaluation of this checkpoint (its ``acceptance.png``
     beside it goes into the folder). ``target_info``: the verifier's sizes, for a fuller contract
     check. ``recipe``: used when the folder has no ``recipe.yaml`` (the trainer writes one).
-    ``destination`` None: check and write the card, push nothing. A remote ``checkpoint`` or
+    ``destination`` None: check and write the card, push nothing. An fsspec destination's release
+    pointer then names the version (``Published.previous``: the one it named before). A remote ``checkpoint`` or
     ``report`` (a run folder on s3://) is read through a local copy, with ``storage_options`` (None:
     the environment's); the card is written into that copy, never into the run folder.
     """
@@ -166,9 +167,12 @@ def publish(
     recipe, recipe_text = _recipe(folder, recipe)
     version = folder_digest(folder)
     name = f"{recipe.name}-{version}"
-    location = None
-    if destination is not None:
-        location = f"hf://{destination.hub_repo}" if destination.hub_repo else join(destination.url, name)
+    location, releases = None, None  # releases: the pointer and history of an fsspec destination
+    if destination is not None and destination.hub_repo:
+        location = f"hf://{destination.hub_repo}"
+    elif destination is not None:
+        location = join(destination.url, name)
+        releases = Releases(destination.url, recipe.name, destination.storage_options)
     card = render(
         recipe=recipe,
         recipe_text=recipe_text,
@@ -177,13 +181,28 @@ def publish(
         location=location or str(folder),
         folder_name=name,
         chart=chart.is_file(),
+        history=releases.history() if releases else None,
     )
     (folder / MODEL_CARD).write_text(card)
     if destination is None:
         return Published(None, version, pushed=False)
-    if destination.hub_repo:
+    if releases is None:
         return push_hub(folder, destination.hub_repo, destination.hf_token, private=destination.private)
-    return push_fsspec(folder, destination.url, recipe.name, destination.storage_options)
+    published = push_fsspec(folder, destination.url, recipe.name, destination.storage_options)
+    release = releases.promote(version, details=_release_details(evaluation, published.pushed))
+    return replace(published, previous=release.previous)
+
+
+def _release_details(evaluation: Evaluation, pushed: bool) -> dict:
+    """What the history line of a publication records about the version."""
+    details = {"tau": round(evaluation.tau, 4), "min_acceptance_length": evaluation.min_acceptance_length}
+    for report in (evaluation.offline, evaluation.vllm):
+        if report:
+            details[f"{report.source}_tau"] = round(report.mean_acceptance_length, 4)
+    throughput = evaluation.vllm.throughput if evaluation.vllm else None
+    if throughput and "speedup" in throughput:
+        details["speedup"] = round(throughput["speedup"], 4)
+    return {**details, "pushed": pushed}
 
 
 def _local_report(report: str, storage_options: dict | None) -> Path:
@@ -231,12 +250,8 @@ def push_fsspec(folder: Path, dest_url: str, name: str, storage_options: dict | 
         fs.makedirs(f"{root}/{rel}".rsplit("/", 1)[0], exist_ok=True)
         fs.put_file(str(path), f"{root}/{rel}")
     with fs.open(marker, "wb") as f:
-        f.write(_marker(version))
+        f.write(marker_bytes(version))
     return Published(target, version, pushed=True)
-
-
-def _marker(version: str) -> bytes:
-    return json.dumps({"version": version}).encode()
 
 
 def _publish_local(folder: Path, final: Path, version: str) -> None:
@@ -251,7 +266,7 @@ def _publish_local(folder: Path, final: Path, version: str) -> None:
     tmp = final.with_name(prefix + secrets.token_hex(6))
     try:
         shutil.copytree(folder, tmp)
-        (tmp / PUBLISHED_MARKER).write_bytes(_marker(version))
+        (tmp / PUBLISHED_MARKER).write_bytes(marker_bytes(version))
         _fsync_tree(tmp)
         os.replace(tmp, final)
     finally:

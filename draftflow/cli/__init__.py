@@ -14,7 +14,7 @@ from draftflow import __version__
 from draftflow.process_env import STORAGE_OPTIONS_ENV, storage_options_from_env
 from draftflow.recipe.load import RecipeError
 
-COMMAND_MODULES = ("recipes", "extract", "store", "train", "evaluate", "publish")
+COMMAND_MODULES = ("recipes", "extract", "store", "train", "evaluate", "publish", "releases")
 
 
 def build_parser(

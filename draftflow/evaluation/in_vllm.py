@@ -14,7 +14,9 @@ summed over label sets):
 Then the plain target is served with the same settings (a second server, started after the
 first stopped) on the same prompts: generation throughput with and without the drafter (sum of
 completion tokens / sum of request latencies, batch size 1, after one warm-up request) and a
-lossless check (outputs with the drafter vs without).
+lossless check (outputs with the drafter vs without). Train-free baselines that the drafter must
+beat (``evaluation.must_beat``: n-gram, suffix decoding) are more sides of the same rounds, the
+target served with their ``--speculative-config`` (speed and its table: :mod:`.speed`).
 
 Servers come from a *server factory*: ``factory(model, speculative_config) -> context manager
 yielding the base URL``. :class:`LaunchServerFactory` starts and stops a server per use;
@@ -33,7 +35,20 @@ from typing import Any
 
 import httpx
 
+from draftflow.evaluation.baselines import baseline_configs
 from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
+from draftflow.evaluation.speed import (  # noqa: F401  (pooled_tokens_per_s and rotated_order re-exported)
+    DRAFTER,
+    TARGET,
+    GenerationRun,
+    baseline_summary,
+    first_difference,
+    later_round_differences,
+    pooled_tokens_per_s,
+    prompt_timings,
+    rotated_order,
+    speed_summary,
+)
 from draftflow.models import checkpoint_info
 from draftflow.recipe.schema import VLLMLaunchSection
 from draftflow.vllm.launch import LaunchSpec, ServerProcess, free_port
@@ -179,17 +194,6 @@ def reusing_factory(get: Callable[..., Any], **settings) -> ServerFactory:
 
 
 @dataclass
-class GenerationRun:
-    outputs: list[list[int]]
-    seconds: float  # sum of request latencies
-    per_prompt: list[SpecCounters] | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(len(o) for o in self.outputs) / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
 class VLLMResult:
     report: AcceptanceReport
     outputs: list[list[int]]  # generated token ids per prompt, with the drafter
@@ -257,19 +261,22 @@ class _Pass:
         self.before = server.counters() if scrape else None
         self.outputs: list[list[int]] = []
         self.seconds = 0.0
+        self.prompt_seconds: list[float] = []
         self.per_prompt: list[SpecCounters] = []
 
     def decode(self, prompt: Sequence[int]) -> None:
         tokens, elapsed = self.server.complete(prompt, self.max_tokens)
         self.outputs.append(tokens)
         self.seconds += elapsed
+        self.prompt_seconds.append(elapsed)
         if self.before is not None:
             after = self.server.counters()
             self.per_prompt.append(after - self.before)
             self.before = after
 
     def run(self) -> GenerationRun:
-        return GenerationRun(self.outputs, self.seconds, self.per_prompt if self.before is not None else None)
+        per_prompt = self.per_prompt if self.before is not None else None
+        return GenerationRun(self.outputs, self.seconds, per_prompt, self.prompt_seconds)
 
 
 def _generate(
@@ -300,6 +307,7 @@ def evaluate_in_vllm(
     measure_baseline: bool = True,
     speed_rounds: int = 1,
     interleave: bool = False,
+    baselines: Sequence[str] = (),
     request_timeout_s: float = 600.0,
 ) -> VLLMResult:
     """Serve the target with ``checkpoint_dir`` as its drafter and read vLLM's own acceptance.
@@ -309,43 +317,55 @@ def evaluate_in_vllm(
     verifier in config.json) for throughput and the lossless check. speed_rounds: with
     measure_baseline, decode the prompts this many times on each side (see :func:`rotated_order`).
     interleave: with measure_baseline, time the sides with :func:`decode_rounds`'s interleaved
-    schedule (the factory must allow two servers at once); the counters come from its first round.
+    schedule (the factory must allow every side's server at once); the counters come from its first
+    round. baselines: with measure_baseline, train-free speculation on the target
+    (:mod:`draftflow.evaluation.baselines`, drafting the drafter's k tokens) decoded as more sides
+    of the same rounds; each one's speed lands in ``throughput["baselines"]``.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    if interleave and not measure_baseline:
+    if (interleave or baselines) and not measure_baseline:
         raise ValueError(
-            "an interleaved schedule times the drafter against the target: needs measure_baseline"
+            "an interleaved schedule and baselines are timed against the target alone: needs measure_baseline"
         )
     names = list(prompt_names) if prompt_names is not None else [str(i) for i in range(len(prompts))]
     info = checkpoint_info(checkpoint_dir)
     k = int((speculative_config or {}).get("num_speculative_tokens") or info["speculative_tokens"])
-    sides = {"drafter": (str(checkpoint_dir), speculative_config), "target": (info["verifier"], None)}
+    configs = baseline_configs(list(baselines), k)
+    sides = {DRAFTER: (str(checkpoint_dir), speculative_config), TARGET: (info["verifier"], None)}
+    sides.update({name: (info["verifier"], config) for name, config in configs.items()})
     rounds = (server_factory, sides, prompts, max_new_tokens, speed_rounds, request_timeout_s)
-    timed = decode_rounds(*rounds, scrape=["drafter"], interleave=True) if interleave else None
+    timed = decode_rounds(*rounds, scrape=[DRAFTER], interleave=True) if interleave else None
     if timed:
-        run = timed["drafter"][0]
+        run = timed[DRAFTER][0]
     else:
-        run = _generate(server_factory, *sides["drafter"], prompts, max_new_tokens, True, request_timeout_s)
+        run = _generate(server_factory, *sides[DRAFTER], prompts, max_new_tokens, True, request_timeout_s)
     report = counters_report(run, names, drafter=info["kind"], k=k, max_new_tokens=max_new_tokens)
     report.notes.insert(0, f"vLLM spec-decode counters; target {info['verifier']}")
     baseline = None
     if measure_baseline:
         timed = timed or decode_rounds(*rounds, first=run)
-        baseline = timed["target"][0].outputs
+        baseline = timed[TARGET][0].outputs
         report.throughput = dict(
-            speed_summary(timed["drafter"], timed["target"]),
+            speed_summary(timed[DRAFTER], timed[TARGET]),
             schedule="interleaved" if interleave else "rotated",
         )
         same = [a == b for a, b in zip(run.outputs, baseline)]
         report.outputs_identical = sum(same)
         report.notes += [
             f"prompt {n}: output with the drafter differs from the target alone (first at token "
-            f"{_first_difference(a, b)})"
+            f"{first_difference(a, b)})"
             for n, ok, a, b in zip(names, same, run.outputs, baseline)
             if not ok
         ]
-        report.notes += later_round_differences(timed["drafter"][1:], timed["target"][1:], baseline)
+        report.notes += later_round_differences(timed[DRAFTER][1:], timed[TARGET][1:], baseline)
+        if configs:
+            report.throughput["baselines"] = {}
+            for name, config in configs.items():
+                summary, notes = baseline_summary(name, config, timed[name], timed[TARGET], names)
+                report.throughput["baselines"][name] = summary
+                report.notes += notes
+        report.throughput["prompt_timings"] = prompt_timings(timed, names)
     return VLLMResult(report, run.outputs, baseline)
 
 
@@ -374,31 +394,6 @@ def counters_report(
     if extra:
         report.notes.append(f"counters report accepted positions {extra} beyond the draft length {k}")
     return report
-
-
-def later_round_differences(
-    with_drafter: Sequence[GenerationRun], without: Sequence[GenerationRun], baseline: Sequence[Sequence[int]]
-) -> list[str]:
-    """Greedy decoding is deterministic, so every speed pass past the first pair must reproduce
-    the target's first outputs; a pass that does not is named (and times different work)."""
-    notes = []
-    for side, runs in (("with the drafter", with_drafter), ("target alone", without)):
-        for n, r in enumerate(runs, start=2):
-            differ = sum(a != b for a, b in zip(r.outputs, baseline))
-            if differ:
-                notes.append(
-                    f"speed pass {n} {side}: {differ}/{len(baseline)} outputs differ from the target's first"
-                )
-    return notes
-
-
-def rotated_order(sides: Sequence[str], rounds: int, first_round: int = 0) -> list[str]:
-    """Which side each server start decodes: round r runs the sides rotated by r (D T, T D, D T,
-    ... for two; A B T, B T A, T A B for three), for rounds ``first_round`` onwards. Every round has
-    one pass of each side, and over len(sides) rounds each side takes every slot once, so a host
-    load that drifts steadily over the measurement weighs on all sides alike."""
-    n = len(sides)
-    return [sides[(r + i) % n] for r in range(first_round, first_round + rounds) for i in range(n)]
 
 
 # vLLM's worker spins on its shared-memory queue for 1 s after its last read before it parks;
@@ -466,26 +461,3 @@ def _interleaved_rounds(factory, sides, prompts, max_new_tokens, rounds, request
             for name in names:
                 timed[name].append(passes[name].run())
     return timed
-
-
-def pooled_tokens_per_s(runs: Sequence[GenerationRun]) -> float:
-    """All completion tokens over all request time."""
-    return GenerationRun([o for r in runs for o in r.outputs], sum(r.seconds for r in runs)).tokens_per_s
-
-
-def speed_summary(with_drafter: Sequence[GenerationRun], without: Sequence[GenerationRun]) -> dict:
-    """Decode speed pooled over the rounds (all completion tokens / all request time, per
-    side), their ratio, and each round's own ratio: the spread says how far to trust it."""
-    fast, slow = pooled_tokens_per_s(with_drafter), pooled_tokens_per_s(without)
-    return {
-        "with_drafter_tok_s": fast,
-        "without_drafter_tok_s": slow,
-        "speedup": fast / slow if slow else 0.0,
-        "rounds": [
-            d.tokens_per_s / t.tokens_per_s if t.tokens_per_s else 0.0 for d, t in zip(with_drafter, without)
-        ],
-    }
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

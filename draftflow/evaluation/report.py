@@ -20,6 +20,7 @@ from draftflow.evaluation.categories import (
     draw_categories,
     evaluation_categories,
 )
+from draftflow.evaluation.speed import speed_table
 
 
 @dataclass
@@ -98,7 +99,12 @@ class AcceptanceReport:
 
 @dataclass
 class Evaluation:
-    """Both reports, the agreement check and the gate: what `evaluate` writes to the run folder."""
+    """Both reports, the agreement check and the gate: what `evaluate` writes to the run folder.
+
+    The gate: τ ≥ ``min_acceptance_length``; and, when vLLM measured the decode speed-up over the
+    target alone, speed-up ≥ ``min_speedup`` (None: not gated) and speed-up > each ``must_beat``
+    baseline's, measured in the same rounds. Without a measured speed-up only τ is gated
+    (:meth:`speed_gate_note` says so)."""
 
     offline: AcceptanceReport | None
     vllm: AcceptanceReport | None
@@ -110,6 +116,9 @@ class Evaluation:
     # sha256 of the checkpoint measured (draftflow.models.speculators.checkpoint_digest): publishing
     # refuses a folder whose bytes differ from what this report is about.
     checkpoint_digest: str | None = None
+    # the speed gate (evaluation.min_speedup, evaluation.must_beat); reports older than it: off
+    min_speedup: float | None = None
+    must_beat: list[str] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -129,8 +138,51 @@ class Evaluation:
         return gap is None or gap <= self.agreement_tolerance
 
     @property
+    def speedup(self) -> float | None:
+        """The drafter's pooled decode speed-up over the target alone in vLLM; None: not measured."""
+        throughput = self.vllm.throughput if self.vllm else None
+        return throughput.get("speedup") if throughput else None
+
+    @property
+    def baselines(self) -> dict[str, dict]:
+        """{name: speed of the train-free baseline measured beside the drafter} (see speed.py)."""
+        throughput = self.vllm.throughput if self.vllm else None
+        return dict((throughput or {}).get("baselines") or {})
+
+    def gate_failures(self) -> list[str]:
+        """Each reason the gate fails, one line naming the numbers; empty: passed."""
+        failures = []
+        if self.tau < self.min_acceptance_length:
+            failures.append(
+                f"τ {self.tau:.3f} < evaluation.min_acceptance_length {self.min_acceptance_length}"
+            )
+        speedup = self.speedup
+        if speedup is None:
+            return failures
+        if self.min_speedup is not None and speedup < self.min_speedup:
+            a, b = _pair(speedup, self.min_speedup)
+            failures.append(f"speed-up {a} over the target is below evaluation.min_speedup {b}")
+        for name in self.must_beat:
+            other = self.baselines.get(name)
+            if other is None:
+                failures.append(
+                    f"{name} was not measured beside the drafter, so the speed-up {speedup:.2f}x cannot "
+                    "be compared with it (evaluation.must_beat): evaluate again"
+                )
+            elif not speedup > other["speedup"]:
+                a, b = _pair(speedup, other["speedup"])
+                failures.append(f"speed-up {a} does not beat {name}'s {b} (evaluation.must_beat)")
+        return failures
+
+    def speed_gate_note(self) -> str | None:
+        """Why the speed gate did not run, when it is set but vLLM measured no speed-up."""
+        if self.speedup is None and (self.min_speedup is not None or self.must_beat):
+            return "speed-up not measured: not gated (evaluation.in_vllm and evaluation.measure_speedup measure it)"
+        return None
+
+    @property
     def passed_gate(self) -> bool:
-        return self.tau >= self.min_acceptance_length
+        return not self.gate_failures()
 
     @property
     def publishable(self) -> bool:
@@ -158,7 +210,12 @@ class Evaluation:
             "agreement_tolerance": self.agreement_tolerance,
             "agrees": self.agrees,
             "min_acceptance_length": self.min_acceptance_length,
+            "min_speedup": self.min_speedup,
+            "must_beat": list(self.must_beat),
+            "speedup": self.speedup,
             "passed_gate": self.passed_gate,
+            "gate_failures": self.gate_failures(),
+            "speed_gate_note": self.speed_gate_note(),
             "contract_problems": list(self.contract_problems),
             "publishable": self.publishable,
             "meta": self.meta,
@@ -176,6 +233,8 @@ class Evaluation:
             contract_problems=list(data.get("contract_problems") or []),
             meta=dict(data.get("meta") or {}),
             checkpoint_digest=data.get("checkpoint_digest"),
+            min_speedup=data.get("min_speedup"),
+            must_beat=list(data.get("must_beat") or []),
         )
 
     def markdown(self) -> str:
@@ -221,6 +280,8 @@ class Evaluation:
                 f"{t['without_drafter_tok_s']:.1f} tok/s without (speedup {t['speedup']:.2f}x"
                 + rounds_text(t)
                 + ").",
+                "",
+                *speed_table(t, self.meta.get("prompt_categories")),
             ]
         gap = self.relative_gap
         if gap is not None:
@@ -229,12 +290,32 @@ class Evaluation:
                 f"Offline vs vLLM τ gap: {gap:.1%} (tolerance {self.agreement_tolerance:.1%}): "
                 + ("agree" if self.agrees else "DISAGREE"),
             ]
-        lines += [
-            "",
-            f"Gate: τ {self.tau:.3f} vs minimum {self.min_acceptance_length:.3f}: "
-            + ("PASS" if self.passed_gate else "FAIL"),
-        ]
+        lines += ["", *self.gate_lines()]
         return "\n".join(lines) + "\n"
+
+    def gate_lines(self) -> list[str]:
+        """One line per gate: τ, the speed-up's minimum, each baseline to beat (or why not gated)."""
+        verdict = {True: "PASS", False: "FAIL"}
+        lines = [
+            f"Gate: τ {self.tau:.3f} vs minimum {self.min_acceptance_length:.3f}: "
+            + verdict[self.tau >= self.min_acceptance_length]
+        ]
+        speedup, note = self.speedup, self.speed_gate_note()
+        if note:
+            return [*lines, f"Gate: {note}"]
+        if speedup is None:
+            return lines
+        if self.min_speedup is not None:
+            a, b = _pair(speedup, self.min_speedup)
+            lines.append(f"Gate: speed-up {a} vs minimum {b}: {verdict[speedup >= self.min_speedup]}")
+        for name in self.must_beat:
+            other = self.baselines.get(name)
+            if other is None:
+                lines.append(f"Gate: speed-up {speedup:.2f}x vs {name}: not measured: FAIL")
+            else:
+                a, b = _pair(speedup, other["speedup"])
+                lines.append(f"Gate: speed-up {a} vs {name}'s {b}: {verdict[speedup > other['speedup']]}")
+        return lines
 
     @staticmethod
     def _per_prompt_table(rows: list[AcceptanceReport]) -> list[str]:
@@ -268,6 +349,12 @@ class Evaluation:
         paths["summary"].write_text(self.markdown())
         acceptance_chart([r for r in (self.offline, self.vllm) if r], paths["chart"], evaluation=self)
         return paths
+
+
+def _pair(a: float, b: float) -> tuple[str, str]:
+    """Two speed-ups as ``1.23x``, with more decimals where two would show them equal."""
+    digits = next((d for d in (2, 3, 4) if f"{a:.{d}f}" != f"{b:.{d}f}"), 4)
+    return f"{a:.{digits}f}x", f"{b:.{digits}f}x"
 
 
 def acceptance_chart(

@@ -9,7 +9,9 @@ train; the first ``evaluation.num_prompts``), renders them with the target's cha
 2. the offline simulator (transformers target, drafter loaded from the exported files);
 3. optionally vLLM serving the target with the checkpoint as its drafter;
 4. the agreement check (relative τ gap within ``evaluation.agreement_tolerance``) and the gate
-   (τ >= ``evaluation.min_acceptance_length``).
+   (τ >= ``evaluation.min_acceptance_length``; when vLLM measured the speed-up over the target,
+   speed-up >= ``evaluation.min_speedup`` and above each ``evaluation.must_beat`` baseline's,
+   measured in the same rounds).
 
 ``report.json``, ``report.md`` and ``acceptance.png`` are written first; a disagreement then
 raises :class:`AgreementError` naming both τ values. A failed gate does not raise: the
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import eval_prompts
+from draftflow.evaluation.baselines import BaselineUnavailable, check_available
 from draftflow.evaluation.contract import ContractError, check_contract
 from draftflow.evaluation.in_vllm import (
     LaunchServerFactory,
@@ -113,9 +116,13 @@ def evaluate_prompts(
     model=None,
     meta: dict | None = None,
     storage_options: dict | None = None,
+    min_speedup: float | None = None,
+    must_beat: Sequence[str] = (),
 ) -> EvalRun:
     """Everything :func:`evaluate_checkpoint` does once the prompts are token ids. A remote
-    ``checkpoint_dir`` (an export on s3://) is evaluated from a local copy; the report names the URL."""
+    ``checkpoint_dir`` (an export on s3://) is evaluated from a local copy; the report names the URL.
+    ``min_speedup`` and ``must_beat``: the speed gate; the ``must_beat`` baselines are decoded beside
+    the drafter when vLLM measures the speed-up (``in_vllm`` and ``measure_baseline``)."""
     checkpoint = str(checkpoint_dir)
     local = str(local_copy(checkpoint, storage_options))
     problems = check_contract(local, target_info, verifier=target, fingerprint=fingerprint)
@@ -128,6 +135,8 @@ def evaluate_prompts(
         contract_problems=problems,
         meta=dict(meta or {}, max_new_tokens=max_new_tokens),
         checkpoint_digest=speculators.checkpoint_digest(local),
+        min_speedup=min_speedup,
+        must_beat=list(must_beat),
     )
     run = EvalRun(evaluation)
     if problems and strict_contract:
@@ -161,6 +170,7 @@ def evaluate_prompts(
             measure_baseline=measure_baseline,
             speed_rounds=speed_rounds,
             interleave=interleave,
+            baselines=list(must_beat) if measure_baseline else (),
         )
         same = sum(a == b for a, b in zip(run.vllm.outputs, run.offline.outputs))
         run.vllm.report.notes.append(f"{same}/{len(prompts)} outputs identical to the offline simulator's")
@@ -271,6 +281,11 @@ def evaluate_checkpoint(
     in_vllm = ev.in_vllm if in_vllm is None else in_vllm
     interleave = ev.speed_schedule == "interleaved" and ev.measure_speedup  # both servers up at once
     out = str(out_dir) if out_dir is not None else default_eval_dir(checkpoint_dir)
+    if in_vllm and ev.measure_speedup and ev.must_beat and launch is not None:
+        try:  # before any server starts: vLLM would fail the baseline's only after loading the target
+            check_available(ev.must_beat, expand(launch.python), launch.env)
+        except BaselineUnavailable as err:
+            raise EvaluationError(str(err)) from None
     if in_vllm and server_factory is None:
         if launch is None:
             raise EvaluationError(
@@ -336,5 +351,7 @@ def evaluate_checkpoint(
         interleave=interleave,
         meta=meta,
         storage_options=storage_options,
+        min_speedup=ev.min_speedup,
+        must_beat=ev.must_beat,
     )
     return run.evaluation

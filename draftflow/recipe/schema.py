@@ -360,8 +360,8 @@ class EvaluationSection(Section):
     speed_schedule: Literal["rotated", "interleaved"] = Field(
         "rotated",
         description="rotated: one side's server at a time, whole passes; interleaved (CPU launches): "
-        "both servers up at once, each prompt decoded on both back to back, so host drift hits both "
-        "(only when measure_speedup).",
+        "every side's server up at once (drafter, target, each must_beat baseline), each prompt decoded "
+        "on all of them back to back, so host drift hits all alike (only when measure_speedup).",
     )
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
         "held_out",
@@ -374,6 +374,32 @@ class EvaluationSection(Section):
         le=MAX_COUNT,
         description="draftflow-eval only: the first N prompts of each category; None = all.",
     )
+    min_speedup: FiniteFloat | None = Field(
+        1.0,
+        gt=0,
+        le=1024,
+        description="Gate: publishing needs the drafter's decode speed-up over the target alone, pooled "
+        "over the speed rounds of the same evaluation, at least this; None: not gated. Not gated either "
+        "when the speed-up is not measured (in_vllm or measure_speedup false): the report says so.",
+    )
+    must_beat: list[Literal["ngram", "suffix"]] = Field(
+        default_factory=list,
+        description="Train-free speculation in vLLM the drafter must beat on speed-up: each is the target "
+        "served with it (drafting the drafter's tokens per step), decoded as one more side of the same "
+        "speed rounds. ngram: prompt lookup; suffix: suffix decoding (needs arctic_inference in the vLLM "
+        "virtualenv). Needs in_vllm and measure_speedup.",
+    )
+
+    @model_validator(mode="after")
+    def _baselines_need_measurement(self) -> EvaluationSection:
+        if self.must_beat and not (self.in_vllm and self.measure_speedup):
+            raise ValueError(
+                f"evaluation.must_beat {self.must_beat} races the drafter against them in vLLM's speed "
+                "rounds: it needs evaluation.in_vllm and evaluation.measure_speedup true"
+            )
+        if len(set(self.must_beat)) != len(self.must_beat):
+            raise ValueError(f"evaluation.must_beat {self.must_beat} has duplicates")
+        return self
 
 
 class PublishSection(Section):

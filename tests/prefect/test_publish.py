@@ -3,6 +3,7 @@ per checkpoint however often it is pushed, and nothing at all when the gate fail
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from prefect_helpers import checkpoint_and_report, write_publish_recipe
 
 from blocks.infrastructure import CheckpointDestination
-from draftflow.paths import MODEL_CARD
+from draftflow.paths import MODEL_CARD, RELEASE_HISTORY_SUFFIX, RELEASE_POINTER_SUFFIX
 from draftflow.publish import PUBLISHED_MARKER
 from flows.stages import publish
 
@@ -50,7 +51,12 @@ def test_publish_writes_folder_and_card_once(destination, tiny_llama_dir: Path, 
     files = listing(fs, url)
     version_dir = f"prefect-publish-{first.version}"
     local = sorted(p.relative_to(checkpoint).as_posix() for p in Path(checkpoint).rglob("*") if p.is_file())
-    assert files == sorted([f"{version_dir}/{f}" for f in local] + [f"{version_dir}/{PUBLISHED_MARKER}"])
+    release_files = [f"prefect-publish{RELEASE_POINTER_SUFFIX}", f"prefect-publish{RELEASE_HISTORY_SUFFIX}"]
+    assert files == sorted(
+        [f"{version_dir}/{f}" for f in local] + [f"{version_dir}/{PUBLISHED_MARKER}"] + release_files
+    )
+    pointer = json.loads(fs.cat(f"{url.removeprefix('s3://')}/{release_files[0]}"))
+    assert pointer["version"] == first.version  # the release in service
     assert {"README.md", "config.json", "model.safetensors", "acceptance.png"} <= set(local)
     card = fs.cat(f"{url.removeprefix('s3://')}/{version_dir}/{MODEL_CARD}").decode()
     assert card.startswith("---\n") and "\n---\n# prefect-publish: a dflash drafter for" in card
