@@ -30,6 +30,33 @@ from draftflow.vllm.errors import InvalidHiddenStates
 STAGING_NAME = re.compile(r"(?:chat)?cmpl-[A-Za-z0-9][A-Za-z0-9._~-]*\.safetensors(?:\.lock)?")
 
 
+# safetensors writes a file through a temporary sibling (Rust's tempfile crate: `.tmp` + 6 characters)
+# renamed over the name once complete; a server killed mid-write leaves that sibling behind.
+WRITER_TEMP_NAME = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def is_writer_temp(folder: str, name: str) -> bool:
+    """Whether ``name`` in ``folder`` is an interrupted safetensors write: the temporary name, a
+    regular file, and empty or beginning as a safetensors file does (an 8-byte header length, then
+    the JSON header's ``{``)."""
+    if not WRITER_TEMP_NAME.fullmatch(name):
+        return False
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone, or a symlink: not a write of ours
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 9)
+    finally:
+        os.close(fd)
+    if not head:
+        return True
+    return len(head) == 9 and 2 <= int.from_bytes(head[:8], "little") <= _MAX_HEADER and head[8:] == b"{"
+
+
 class ForeignStagingFolder(ValueError):
     """A staging folder holds files the hidden-states connector did not write; nothing was deleted."""
 
@@ -211,7 +238,8 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
         names = os.listdir(folder)
     except FileNotFoundError:
         return 0
-    foreign = sorted(n for n in names if not is_staging_name(n))
+    temps = {n for n in names if is_writer_temp(folder, n)}
+    foreign = sorted(n for n in names if not is_staging_name(n) and n not in temps)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise ForeignStagingFolder(
@@ -223,6 +251,9 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
     removed = 0
     for name in names:
         path = os.path.join(folder, name)
+        if name in temps:  # no lock: a write in progress renames its temp well within the age bound
+            removed += _sweep_writer_temp(path, older_than_s, now)
+            continue
         if name.endswith(".lock"):
             removed += _sweep_orphan_lock(path, older_than_s, now)
             continue
@@ -244,6 +275,16 @@ def sweep_stale(folder: str, older_than_s: float, now: float | None = None) -> i
             remove_hidden_states(path)
             removed += 1
     return removed
+
+
+def _sweep_writer_temp(path: str, older_than_s: float, now: float) -> int:
+    try:
+        if now - os.lstat(path).st_mtime < older_than_s:
+            return 0
+        os.remove(path)
+    except FileNotFoundError:  # renamed into place or removed meanwhile
+        return 0
+    return 1
 
 
 def _sweep_orphan_lock(lock_path: str, older_than_s: float, now: float) -> int:

@@ -168,3 +168,47 @@ def test_a_server_naming_a_model_file_in_staging_gets_it_refused(model_folder: P
     with pytest.raises(InvalidHiddenStates, match="left untouched"):
         staging_path(str(model_folder / "model.safetensors"), [str(model_folder)])
     assert snapshot(model_folder) == before
+
+
+WRITER = """
+import sys, torch
+from safetensors.torch import save_file
+save_file({"hidden_states": torch.zeros(96 * 1024 * 1024)}, sys.argv[1])
+"""
+
+
+def test_a_write_killed_midway_leaves_a_temp_file_the_sweep_removes(tmp_path: Path):
+    """safetensors (as vLLM's connector calls it) writes through a temporary sibling `.tmpXXXXXX` renamed
+    into place: a server killed mid-write leaves it. It is the connector's, so the sweep removes it once
+    old enough, and the folder is not taken for a foreign one (the next run could not start)."""
+    import subprocess
+    import sys
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    name = "cmpl-sample-000007-0-0badf00d.safetensors"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(staging / name)])
+    deadline = time.monotonic() + 60
+    while not [p for p in staging.iterdir() if p.name.startswith(".tmp") and p.stat().st_size]:
+        assert writer.poll() is None and time.monotonic() < deadline, "no temporary file seen while writing"
+        time.sleep(0.005)
+    writer.kill()
+    writer.wait()
+    left = [p.name for p in staging.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".tmp") and name not in left  # killed before the rename
+
+    assert sweep_stale(str(staging), older_than_s=600) == 0  # young: maybe a write in progress
+    assert [p.name for p in staging.iterdir()] == left
+    age(staging)
+    assert sweep_stale(str(staging), older_than_s=600) == 1
+    assert list(staging.iterdir()) == []
+
+
+def test_a_temp_named_file_that_is_not_a_safetensors_write_is_foreign(tmp_path: Path):
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / ".tmpAb12Cd").write_text("notes that are not a safetensors file\n")
+    age(staging)
+    with pytest.raises(ForeignStagingFolder, match=r"\.tmpAb12Cd"):
+        sweep_stale(str(staging), older_than_s=600)
+    assert (staging / ".tmpAb12Cd").exists()
