@@ -173,6 +173,42 @@ class ServerStartError(RuntimeError):
 CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
 
 
+def wait_for_host_lock(path: Path, timeout_s: float):
+    """The host lock's open handle (closing it releases the lock), once no other server holds it.
+
+    The wait usually runs in a task's worker thread. It gives up when the process is exiting (its
+    main thread has finished, e.g. after SIGTERM): the interpreter joins worker threads at exit, and
+    a thread waiting here would keep the stopped process alive for the whole timeout."""
+    import fcntl
+    import threading
+
+    handle = open(path, "a+")
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except BlockingIOError:
+            if not announced:
+                log.warning("another vLLM server runs on this CPU host; waiting for it to stop (%s)", path)
+                announced = True
+            # threading._SHUTTING_DOWN: set when the interpreter starts joining threads at exit,
+            # before it runs the thread pools' exit hooks (the main thread counts as alive until after).
+            if getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive():
+                handle.close()
+                raise ServerStartError(
+                    "the process is exiting: stopped waiting for the host's vLLM lock"
+                ) from None
+            if time.monotonic() > deadline:
+                handle.close()
+                raise ServerStartError(
+                    f"another vLLM server has held {path} for {timeout_s:.0f}s: "
+                    "two servers on one CPU host hang at start-up; stop the other one"
+                ) from None
+            time.sleep(1.0)
+
+
 class ServerProcess:
     """A vLLM server this process started (and therefore may stop)."""
 
@@ -188,30 +224,7 @@ class ServerProcess:
         self.start_token: str | None = None
 
     def _take_host_lock(self) -> None:
-        import fcntl
-
-        handle = open(CPU_HOST_LOCK, "a+")
-        deadline = time.monotonic() + self.host_lock_timeout_s
-        announced = False
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not announced:
-                    log.warning(
-                        "another vLLM server runs on this CPU host; waiting for it to stop (%s)",
-                        CPU_HOST_LOCK,
-                    )
-                    announced = True
-                if time.monotonic() > deadline:
-                    handle.close()
-                    raise ServerStartError(
-                        f"another vLLM server has held {CPU_HOST_LOCK} for {self.host_lock_timeout_s:.0f}s: "
-                        "two servers on one CPU host hang at start-up; stop the other one"
-                    ) from None
-                time.sleep(1.0)
-        self._host_lock = handle
+        self._host_lock = wait_for_host_lock(CPU_HOST_LOCK, self.host_lock_timeout_s)
 
     def _release_host_lock(self) -> None:
         if self._host_lock is not None:
