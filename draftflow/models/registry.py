@@ -86,6 +86,20 @@ def algorithm_class(kind: str | None):
     return cls
 
 
+def lazy_getattr(package: str, names: dict[str, str], modules: tuple[str, ...]):
+    """A kind package's module ``__getattr__``: its modules and names (name → module) imported on
+    first use, so a recipe imports only ``section`` and the model code only ``config``/``model``."""
+
+    def __getattr__(name: str):
+        if name in modules:
+            return importlib.import_module(f"{package}.{name}")
+        if name in names:
+            return getattr(importlib.import_module(f"{package}.{names[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def rescan() -> None:
     """Forget the kinds found so far: the next call looks again (a kind installed into a running
     process, a test's plugin removed from ``sys.path``)."""

@@ -7,8 +7,9 @@ Names are imported on first use: a recipe imports only ``section`` (no torch), t
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from draftflow.models.registry import lazy_getattr
 
 if TYPE_CHECKING:
     from draftflow.models.eagle3 import algorithm, attention, checkpoint, config, model, section
@@ -41,9 +42,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _MODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in _NAMES:
-        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _NAMES, _MODULES)
