@@ -6,7 +6,9 @@ before they become part of a path, so a crafted id can never escape its folder.
 
 Layout of a store::
 
-    STORE/NAME-FINGERPRINT/                  DataLayout: one per recipe fingerprint
+    STORE/NAME-FINGERPRINT/                  DataLayout: one per recipe fingerprint (a recipe with a
+                                             traffic source: one per window, a segment)
+    STORE/NAME.segments.jsonl                the segments listed complete, oldest first (segment_index)
         fingerprint.json                     what the fingerprint was computed from
         prepared/samples.parquet             ids, token ids, loss masks, split
         prepared/token_counts.parquet        counts over loss-masked tokens
@@ -79,6 +81,11 @@ def join(base: str, *parts: str) -> str:
     for part in parts:
         out += "/" + part.strip("/")
     return out
+
+
+def segment_index(store: str, name: str) -> str:
+    """The list of a recipe's complete data segments (draftflow.data.segments)."""
+    return join(store, f"{safe_component(name)}.segments.jsonl")
 
 
 @dataclass(frozen=True)

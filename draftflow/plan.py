@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftflow.data.segments import Window, resolve_window
 from draftflow.paths import DataLayout
 from draftflow.recipe.catalog import resolve
 from draftflow.recipe.checks import resolve_context_layer_ids, storage_errors, validate
@@ -31,6 +32,7 @@ class Plan:
     context_layer_ids: tuple[int, ...]
     fingerprint: str
     data: DataLayout
+    window: Window | None = None  # the traffic window this run reads (recipes with a traffic source)
 
     @classmethod
     def load(
@@ -42,13 +44,16 @@ class Plan:
         skip_storage: tuple[str, ...] = (),
         data: dict | None = None,
         fixed_fingerprint: str | None = None,
+        window: Window | None = None,
     ) -> Plan:
         """Validate and resolve. ``storage_options``: the store block's fsspec options (None: the
         environment's); an ``s3://`` store, run folder or destination with no credentials in them
         nor in the environment fails here, before any server starts (``skip_storage``: fields a
         block replaces, e.g. ``publish.destination``). ``data`` and ``fixed_fingerprint``: the
         recipe's content and fingerprint as a run reference froze them (draftflow.run_ref), so a
-        stage of a run plans what the run started with, whatever happened to the file since."""
+        stage of a run plans what the run started with, whatever happened to the file since.
+        ``window``: the traffic window a run reference froze (None: the window of a run starting
+        now, for a recipe with a traffic source)."""
         path = str(resolve(recipe)) if data is None else recipe
         checked = validate(path, overrides, data)
         if checked.target is None:
@@ -61,7 +66,12 @@ class Plan:
         if errors:
             raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
         layer_ids = tuple(checked.layer_ids)
-        fp = fixed_fingerprint or fingerprint(r, list(layer_ids), storage_options)
+        store = expand(r.extraction.store)
+        if r.data.traffic is not None and window is None:
+            window = resolve_window(r.data.traffic, store, r.name, storage_options)
+        elif r.data.traffic is None:
+            window = None
+        fp = fixed_fingerprint or fingerprint(r, list(layer_ids), storage_options, window=window)
         return cls(
             recipe_path=path,
             overrides=tuple(overrides),
@@ -71,8 +81,14 @@ class Plan:
             layer_ids=layer_ids,
             context_layer_ids=tuple(resolve_context_layer_ids(r, checked.target)),
             fingerprint=fp,
-            data=DataLayout.for_recipe(expand(r.extraction.store), r.name, fp),
+            data=DataLayout.for_recipe(store, r.name, fp),
+            window=window,
         )
+
+    @property
+    def store(self) -> str:
+        """The store's URL, expanded (the folder that holds every data folder of the recipe)."""
+        return expand(self.recipe.extraction.store)
 
     def describe(self) -> str:
         r = self.recipe
@@ -81,4 +97,5 @@ class Plan:
             f"({self.target.num_layers} layers, hidden {self.target.hidden_size}); "
             f"extract layers {list(self.layer_ids)} as {r.extraction.dtype}; "
             f"drafter {r.drafter.kind}; data folder {self.data.root}"
+            + (f"; traffic window {self.window}" if self.window else "")
         )

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from draftflow.data.segments import Window
 from draftflow.plan import Plan
 from draftflow.recipe.catalog import resolve
 from draftflow.recipe.load import RecipeError, read_yaml
@@ -47,6 +48,8 @@ class RunRef(BaseModel):
     data_root: str
     mode: str
     nnodes: int
+    # The traffic window (since or None, until; ISO 8601), frozen at the run's start.
+    window: tuple[str | None, str] | None = None
 
     @classmethod
     def create(
@@ -84,6 +87,7 @@ class RunRef(BaseModel):
             data_root=plan.data.root,
             mode=plan.recipe.extraction.mode,
             nnodes=plan.recipe.training.nnodes,
+            window=tuple(plan.window.as_dict().values()) if plan.window else None,
         )
         return ref, plan
 
@@ -115,6 +119,7 @@ class RunRef(BaseModel):
             skip_storage=skip_storage,
             data=self.recipe_data(),
             fixed_fingerprint=self.fingerprint,
+            window=Window.from_dict(dict(zip(("since", "until"), self.window))) if self.window else None,
         )
 
     def to_env(self) -> dict[str, str]:

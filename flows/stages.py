@@ -20,6 +20,7 @@ from tasks.extract import (
     check_or_start_vllm,
     extract_every_shard,
     fail_on_failed_shards,
+    list_segment,
     prepare_data,
     shard_table,
     stopped_unless_kept,
@@ -72,6 +73,7 @@ def extract_stage(ref: RunRef, keep_server: bool):
         )
         summary = shard_table(shards, outcomes, table_key, reasons)
         fail_on_failed_shards(summary)
+        list_segment(ref)  # a recipe with a traffic source: this window's data is complete
     return summary, server
 
 

@@ -22,6 +22,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE, CacheKeyFnPolicy
 
 from draftflow.data.dataset import read_report
+from draftflow.data.segments import list_segment as list_segment_core
 from draftflow.extraction import expected_samples, extract_shard_by_id, plan_extraction
 from draftflow.extraction.run import prepare_data as prepare_data_core
 from draftflow.extraction.shards import staging_folders, sweep_staging
@@ -299,6 +300,19 @@ def fail_on_failed_shards(summary: ExtractResult) -> None:
             f"{summary.failed} of {summary.shards} shards failed; retry the flow run "
             "to extract only those (completed shards are cached and in the manifest)"
         )
+
+
+@task(name="list-segment", cache_policy=NO_CACHE)
+def list_segment(ref: RunRef) -> dict | None:
+    """With a traffic source: list this run's data folder as a complete segment (its window's
+    `until` is where `since: last_run` starts the next run). Runs after every shard committed."""
+    if ref.window is None:
+        return None
+    infra = blocks_for(ref)
+    plan = plan_for(ref, infra)
+    return list_segment_core(
+        plan.store, plan.recipe.name, plan.fingerprint, plan.window, infra.storage_options
+    )
 
 
 @contextmanager

@@ -8,10 +8,11 @@ import sys
 import yaml
 
 from draftflow.cli import add_overrides
+from draftflow.data.segments import resolve_window
 from draftflow.recipe import catalog
 from draftflow.recipe.checks import resolve_context_layer_ids, validate
 from draftflow.recipe.fingerprint import fingerprint
-from draftflow.recipe.load import RecipeError
+from draftflow.recipe.load import RecipeError, expand
 from draftflow.recipe.redact import redacted_recipe
 
 
@@ -85,5 +86,9 @@ def cmd_show(args) -> int:
         return 0
     print(f"# resolved: extraction.layer_ids = {result.layer_ids}")
     print(f"# resolved: drafter context layers = {resolve_context_layer_ids(recipe, result.target)}")
-    print(f"# resolved: data fingerprint = {fingerprint(recipe, result.layer_ids)}")
+    window = None
+    if recipe.data.traffic is not None:
+        window = resolve_window(recipe.data.traffic, expand(recipe.extraction.store), recipe.name, None)
+        print(f"# resolved: traffic window of a run starting now = {window}")
+    print(f"# resolved: data fingerprint = {fingerprint(recipe, result.layer_ids, window=window)}")
     return 0

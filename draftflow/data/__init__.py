@@ -6,4 +6,6 @@
 - :mod:`draftflow.data.regenerate`: the target rewrites assistant turns (injected async client).
 - :mod:`draftflow.data.prepare`: mixing, split, regeneration, tokenisation → prepared set.
 - :mod:`draftflow.data.dataset`: the prepared set on storage: schema, atomic writes, loaders.
+- :mod:`draftflow.data.traffic`: served request/response logs of one window, redacted
+  (:mod:`draftflow.data.redaction`); :mod:`draftflow.data.segments`: one data folder per window.
 """

@@ -27,6 +27,7 @@ same prompt keeps its id across runs even though regenerated replies may differ.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import heapq
 import json
@@ -59,12 +60,14 @@ from draftflow.data.dataset import (  # loaders re-exported (__all__): one impor
     samples_table,
 )
 from draftflow.data.regenerate import Generate, regenerate_conversations
+from draftflow.data.segments import Window
 from draftflow.data.self_generated import (
     GenerationResult,
     SampleText,
     generate_conversations,
 )
 from draftflow.data.sources import Conversation, read_source, source_label
+from draftflow.data.traffic import read_traffic
 from draftflow.paths import DataLayout
 from draftflow.recipe.fingerprint import DATA_FORMAT_VERSION
 from draftflow.recipe.load import default_home
@@ -137,11 +140,16 @@ def _keyed(
     seen: set[str],
     dropped: Counter,
     usable: Counter,
+    earlier: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, Candidate]]:
-    """(order key, candidate) for each conversation of one source; duplicates counted and skipped."""
+    """(order key, candidate) for each conversation of one source; duplicates counted and skipped
+    (``earlier``: ids an earlier data segment kept)."""
     for messages in source_iter:
         usable["usable"] += 1
         sid = sample_id(messages)
+        if sid in earlier:
+            dropped["seen_in_earlier_segment"] += 1
+            continue
         if sid in seen:
             dropped["duplicate"] += 1
             continue
@@ -153,11 +161,16 @@ def select_conversations(
     data: DataSection,
     generated: dict[int, GenerationResult] | None = None,
     storage_options: dict | None = None,
+    *,
+    window: Window | None = None,
+    earlier: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[list[Candidate], dict[str, dict]]:
     """Read, dedupe, cap per source and in total, split; returns candidates and per-source stats.
 
     ``generated`` holds the conversations of the self-generated sources, by source index;
-    ``storage_options`` are the store's, used for sources on an object store.
+    ``storage_options`` are the store's, used for sources on an object store; ``window`` is the
+    run's traffic window (a traffic source needs one); ``earlier``: the sample ids earlier data
+    segments kept, dropped here.
     """
     seen: set[str] = set()
     pool: list[tuple[str, Candidate]] = []
@@ -166,6 +179,7 @@ def select_conversations(
         label = source_label(index, source)
         dropped: Counter = Counter()
         usable: Counter = Counter()
+        read: Counter = Counter()
         if source.kind == "self_generated":
             if not generated or index not in generated:
                 raise ValueError(
@@ -174,9 +188,15 @@ def select_conversations(
                 )
             dropped.update(generated[index].dropped)
             conversations: Iterator[Conversation] = iter(generated[index].conversations)
+        elif source.kind == "traffic":
+            if window is None:
+                raise ValueError(
+                    f"data.sources[{index}]: a traffic source is read for a window; none was given"
+                )
+            conversations = read_traffic(source.traffic, window, dropped, read, storage_options)
         else:
             conversations = read_source(source, dropped, storage_options)
-        items = _keyed(conversations, label, data.seed, seen, dropped, usable)
+        items = _keyed(conversations, label, data.seed, seen, dropped, usable, earlier)
         if source.max_samples:
             # nsmallest streams the source, holding at most max_samples conversations in memory.
             chosen = heapq.nsmallest(source.max_samples, items, key=lambda kv: kv[0])
@@ -191,6 +211,8 @@ def select_conversations(
         }
         if generated and index in generated:
             stats[label]["generation"] = generated[index].report()
+        if source.kind == "traffic":
+            stats[label]["traffic"] = {"window": window.as_dict(), **dict(sorted(read.items()))}
         log.info(
             "source %s: %d usable, %d selected, dropped %s",
             label,
@@ -233,13 +255,16 @@ async def aprepare(
     regenerate_timeout_s: float | None = None,
     sample: SampleText | None = None,
     local_home: str | None = None,
+    window: Window | None = None,
+    earlier: frozenset[str] | set[str] = frozenset(),
 ) -> Prepared:
     """Prepare ``layout``'s samples from ``data``, or reuse them if the folder is complete.
 
     The async form, for callers that own an event loop (``generate`` and ``sample`` then run
     on that loop, where their HTTP client lives); the blocking parts run in a worker thread.
     Self-generated sources need ``sample`` (user turns) and ``generate`` (replies); their
-    partial files go under ``local_home`` when the store is remote.
+    partial files go under ``local_home`` when the store is remote. A traffic source reads
+    ``window``; ``earlier`` are the sample ids earlier data segments kept (not kept again).
     """
     if await asyncio.to_thread(is_prepared, layout, storage_options):
         log.info("prepared data already in %s: reusing it", layout.prepared_dir)
@@ -248,7 +273,12 @@ async def aprepare(
         raise ValueError("data.regenerate_responses is set but no generate function was given")
 
     generated = await _self_generate(data, layout, encoder, sample, generate, local_home)
-    candidates, source_stats = await asyncio.to_thread(select_conversations, data, generated, storage_options)
+    candidates, source_stats = await asyncio.to_thread(
+        functools.partial(select_conversations, window=window, earlier=earlier),
+        data,
+        generated,
+        storage_options,
+    )
     outcomes: list[tuple[Conversation | None, str | None]] = [(c.messages, None) for c in candidates]
     regenerate_errors: list[str] = []
     # Self-generated replies are the target's already: regenerating them would only repeat them.
@@ -325,6 +355,8 @@ def prepare(
     regenerate_timeout_s: float | None = None,
     sample: SampleText | None = None,
     local_home: str | None = None,
+    window: Window | None = None,
+    earlier: frozenset[str] | set[str] = frozenset(),
 ) -> Prepared:
     """Blocking :func:`aprepare` (from inside a running loop it runs on a thread of its own)."""
     return run_coroutine(
@@ -337,6 +369,8 @@ def prepare(
             regenerate_timeout_s=regenerate_timeout_s,
             sample=sample,
             local_home=local_home,
+            window=window,
+            earlier=earlier,
         )
     )
 

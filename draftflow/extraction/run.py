@@ -13,6 +13,7 @@ from draftflow.async_run import run_coroutine
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import is_prepared
 from draftflow.data.prepare import aprepare
+from draftflow.data.segments import earlier_sample_ids
 from draftflow.data.self_generated import Sampled
 from draftflow.extraction.progress import (
     ExtractionProgress,
@@ -220,8 +221,14 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
     """
     data = plan.recipe.data
     encoder = await asyncio.to_thread(load_chat_encoder, plan.recipe.target)
+    segments = {}
+    if plan.window is not None:
+        earlier = await asyncio.to_thread(
+            earlier_sample_ids, plan.store, plan.recipe.name, plan.fingerprint, store.storage_options
+        )
+        segments = {"window": plan.window, "earlier": earlier}
     if not needs_generation(data):
-        await aprepare(data, store.layout, encoder, storage_options=store.storage_options)
+        await aprepare(data, store.layout, encoder, storage_options=store.storage_options, **segments)
         return
     per_endpoint = math.ceil(data.regenerate_concurrency / len(endpoints))
     async with VLLMClient(
@@ -251,6 +258,7 @@ async def _prepare(plan: Plan, store: Store, endpoints: list[str], api_key: str 
             storage_options=store.storage_options,
             regenerate_timeout_s=plan.recipe.extraction.request_timeout_s,
             sample=sample,
+            **segments,
         )
 
 
@@ -262,7 +270,9 @@ def _write_fingerprint(plan: Plan, store: Store) -> None:
     blob = json.dumps(
         {
             "fingerprint": plan.fingerprint,
-            "inputs": fingerprint_inputs(plan.recipe, list(plan.layer_ids), store.storage_options),
+            "inputs": fingerprint_inputs(
+                plan.recipe, list(plan.layer_ids), store.storage_options, window=plan.window
+            ),
         },
         indent=2,
         sort_keys=True,

@@ -79,6 +79,9 @@ def validate(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict 
         recipe = load_recipe(path, overrides)
     else:
         recipe = recipe_from_dict(apply_overrides(data, overrides), path)
+    errors = redaction_errors(recipe)
+    if errors:
+        raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
     target = read_target_info(expand(recipe.target.model), recipe.target.revision)
     if target is None:
         return Validated(recipe, None, skipped=list(TARGET_CHECKS))
@@ -86,6 +89,20 @@ def validate(path: str, overrides: list[str] | tuple[str, ...] = (), data: dict 
     if errors:
         raise RecipeError("; ".join(f"{path}: {e}" for e in errors))
     return Validated(recipe, target)
+
+
+def redaction_errors(recipe: Recipe) -> list[str]:
+    """A traffic source's `redact_with` must name a function importable here (before any server starts)."""
+    from draftflow.data.redaction import load_callable  # the data package imports the recipe package
+
+    errors = []
+    for i, source in enumerate(recipe.data.sources):
+        if source.traffic is not None and source.traffic.redact_with:
+            try:
+                load_callable(source.traffic.redact_with)
+            except ValueError as err:
+                errors.append(f"data.sources[{i}].traffic.redact_with: {err}")
+    return errors
 
 
 def template_errors(recipe: Recipe) -> list[str]:

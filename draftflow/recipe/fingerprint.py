@@ -100,9 +100,14 @@ def _source_identity(index: int, path: str, storage_options: dict | None) -> dic
         ) from err
 
 
-def fingerprint_inputs(recipe: Recipe, layer_ids: list[int], storage_options: dict | None = None) -> dict:
+def fingerprint_inputs(
+    recipe: Recipe, layer_ids: list[int], storage_options: dict | None = None, *, window=None
+) -> dict:
     """What the fingerprint hashes. ``storage_options``: the store's fsspec options, for sources on
-    an object store (None: ``$DRAFTFLOW_STORAGE_OPTIONS``)."""
+    an object store (None: ``$DRAFTFLOW_STORAGE_OPTIONS``). ``window``: the traffic window of a
+    recipe with a traffic source (draftflow.data.segments.Window): each window is a segment of its
+    own. Its log files count by the window, not by their content: lines of a past window do not
+    change, while a log being appended to would otherwise rename the segment at every look."""
     # generation_dtype only when set: unset, generation computes in the extraction dtype's
     # server dtype (below), and data folders prepared before the field existed keep their name.
     unset = {"generation_dtype"} if recipe.data.generation_dtype is None else set()
@@ -111,7 +116,9 @@ def fingerprint_inputs(recipe: Recipe, layer_ids: list[int], storage_options: di
         if raw.path:
             source["content"] = _source_identity(index, raw.path, storage_options)
     template = recipe.target.chat_template
+    windowed = {"window": window.as_dict()} if window is not None else {}
     return {
+        **windowed,
         "format": DATA_FORMAT_VERSION,
         "target": {
             "model": recipe.target.model,
@@ -131,12 +138,16 @@ def _digest(inputs: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def fingerprint(recipe: Recipe, layer_ids: list[int], storage_options: dict | None = None) -> str:
+def fingerprint(
+    recipe: Recipe, layer_ids: list[int], storage_options: dict | None = None, *, window=None
+) -> str:
     """The data folder's name for ``recipe``: the digest of :func:`fingerprint_inputs`, or the name
     the folder got before samples_per_shard was an input, while that folder is in the store with
     shards cut exactly as the recipe cuts them and the new name holds no prepared data."""
-    inputs = fingerprint_inputs(recipe, layer_ids, storage_options)
+    inputs = fingerprint_inputs(recipe, layer_ids, storage_options, window=window)
     current = _digest(inputs)
+    if window is not None:
+        return current  # segments were always named with samples_per_shard
     legacy = _digest({key: value for key, value in inputs.items() if key != _LAYOUT})
     store = expand(recipe.extraction.store)
     options = options_for(store, storage_options)

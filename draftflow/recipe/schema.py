@@ -38,6 +38,8 @@ from draftflow.recipe.section import (  # noqa: F401  (the bounds are re-exporte
     DrafterSection,
     Section,
 )
+from draftflow.recipe.self_generated_section import SelfGeneratedSection, Topic  # noqa: F401  (re-exported)
+from draftflow.recipe.traffic_section import TrafficSection
 from draftflow.recipe.vllm_section import VLLMLaunchSection, VLLMSection  # noqa: F401  (re-exported)
 
 ComputeDtype = Literal["bfloat16", "float16", "float32"]  # what a vLLM server computes in
@@ -57,53 +59,17 @@ class TargetSection(Section):
     )
 
 
-# Topic seeds a self-generated source may steer towards (the instruction for each lives in
-# draftflow.data.self_generated); a fixed set, so a typo is a validation error.
-Topic = Literal["chat", "coding", "math", "writing", "advice", "trivia", "summarisation", "science", "howto"]
-
-
-class SelfGeneratedSection(Section):
-    """How the target writes its own user turns (``kind: self_generated``)."""
-
-    num_prompts: int = Field(64, ge=1, le=MAX_COUNT, description="Conversations to keep after cleaning.")
-    topics: list[Topic] = Field(
-        default_factory=list,
-        description="Topic seeds, used round-robin (a short instruction in the system prompt) to "
-        "steer diversity; empty: no steering.",
-    )
-    system_prompt: str | None = Field(
-        None,
-        description="System message rendered before the user turn while it is sampled (with a topic "
-        "seed's instruction appended); not kept in the data. None: the template's own default.",
-    )
-    turns: int = Field(1, ge=1, le=8, description="User turns per conversation; later ones are follow-ups.")
-    temperature: FiniteFloat = Field(1.0, gt=0, le=100, description="Sampling temperature of user turns.")
-    top_p: FiniteFloat = Field(0.95, gt=0, le=1)
-    max_tokens: int = Field(
-        96, ge=4, le=MAX_TOKENS, description="Tokens per user turn; a turn that hits it is dropped."
-    )
-    max_attempts_ratio: FiniteFloat = Field(
-        3.0,
-        ge=1,
-        le=1000,
-        description="Give up after num_prompts * this many attempts (an error if none was kept).",
-    )
-    near_duplicate_threshold: FiniteFloat = Field(
-        0.7,
-        gt=0,
-        le=1,
-        description="Estimated Jaccard similarity of word 3-grams from which a prompt is a near duplicate.",
-    )
-
-
 class DataSource(Section):
     """One source of conversations."""
 
-    kind: Literal["sharegpt", "messages", "hf_disk", "chitchat", "chatterbot", "self_generated"] = Field(
+    kind: Literal[
+        "sharegpt", "messages", "hf_disk", "chitchat", "chatterbot", "self_generated", "traffic"
+    ] = Field(
         description="sharegpt: JSON/JSONL with `conversations` (from/value); messages: "
         "JSON/JSONL with OpenAI `messages` (role/content); hf_disk: a `datasets` folder saved "
         "with save_to_disk; chitchat / chatterbot: the corpora shipped by those pip packages; "
-        "self_generated: the target writes the user turns through vLLM (see `self_generated`)."
+        "self_generated: the target writes the user turns through vLLM (see `self_generated`); "
+        "traffic: served request/response logs, one time window per run (see `traffic`)."
     )
     path: str | None = Field(None, description="File or folder; required for sharegpt, messages, hf_disk.")
     max_samples: int | None = Field(
@@ -111,6 +77,9 @@ class DataSource(Section):
     )
     self_generated: SelfGeneratedSection | None = Field(
         None, description="Settings of a `self_generated` source (default settings when omitted)."
+    )
+    traffic: TrafficSection | None = Field(
+        None, description="Settings of a `traffic` source (required there)."
     )
 
     @model_validator(mode="after")
@@ -121,6 +90,12 @@ class DataSource(Section):
             raise ValueError(f"`self_generated` settings need `kind: self_generated`, not `{self.kind}`")
         if self.kind == "self_generated" and self.path:
             raise ValueError("a `self_generated` source has no `path`")
+        if self.kind == "traffic" and self.traffic is None:
+            raise ValueError("a `traffic` source needs `traffic` settings (at least `traffic.paths`)")
+        if self.traffic is not None and self.kind != "traffic":
+            raise ValueError(f"`traffic` settings need `kind: traffic`, not `{self.kind}`")
+        if self.kind == "traffic" and self.path:
+            raise ValueError("a `traffic` source reads `traffic.paths`, not `path`")
         return self
 
     @property
@@ -152,6 +127,20 @@ class DataSection(Section):
         "extraction server's; a running server is used as it is). Labels still come from the "
         "extraction server; bfloat16 writes faster on CPUs with AVX-512 BF16 or AMX.",
     )
+
+    @field_validator("sources")
+    @classmethod
+    def _one_traffic_source(cls, sources: list[DataSource]) -> list[DataSource]:
+        # The window is the run's (one `since`, one segment per run): two traffic sources would
+        # need two windows for one folder.
+        if sum(s.kind == "traffic" for s in sources) > 1:
+            raise ValueError("at most one `traffic` source (list several globs in its `traffic.paths`)")
+        return sources
+
+    @property
+    def traffic(self) -> TrafficSection | None:
+        """The settings of the recipe's traffic source, if it has one."""
+        return next((s.traffic for s in self.sources if s.kind == "traffic"), None)
 
 
 class ExtractionSection(Section):

@@ -143,6 +143,22 @@ def test_a_multinode_recipe_gets_one_train_deployment_per_node(
 
 
 @pytest.mark.slow
+def test_the_shipped_refresh_recipe_deploys_with_its_cron_schedule(prefect_server, capsys):
+    """The refresh recipe as its header says to deploy it: one pipeline deployment, scheduled."""
+    recipe = REPO / "recipes" / "smollm2-135m-dflash-cpu-refresh.yaml"
+    cron = next(line for line in recipe.read_text().splitlines() if "draftflow deploy" in line)
+    cron = cron.split("--cron", 1)[1].strip().strip('"')
+    pool, name = f"pool-{uuid.uuid4().hex[:6]}", f"refresh-{uuid.uuid4().hex[:6]}"
+    assert cli_main(["deploy", str(recipe), "--cron", cron, "--name", name, "--pool", pool]) == 0
+    assert f"cron '{cron}' (UTC)" in capsys.readouterr().out
+    deployment, _ = read_deployment(f"draftflow-pipeline/{name}")
+    assert deployment.parameters == {"recipe": str(recipe), "overrides": []}
+    assert [(s.schedule.cron, s.active) for s in deployment.schedules] == [(cron, True)]
+    plan = Plan.load(str(recipe))
+    assert plan.recipe.data.traffic is not None and plan.window is not None
+
+
+@pytest.mark.slow
 def test_shipped_prefect_yaml(prefect_server):
     from prefect.cli.deploy._models import PrefectYamlModel
 
