@@ -20,6 +20,7 @@ from draftflow.evaluation.speed import speed_table
 from draftflow.recipe.schema import Recipe
 
 CHART_FILE = "acceptance.png"
+HISTORY_CHART_FILE = "release-history.png"  # τ of each release event (draftflow.releases)
 HISTORY_ROWS = 10  # the newest release events the card shows
 
 
@@ -180,24 +181,65 @@ def _training(recipe: Recipe, provenance: dict, recipe_text: str) -> list[str]:
     ]
 
 
-def _history_table(history: list[dict]) -> list[str]:
-    """The newest events of the destination's release history (``draftflow.releases``)."""
+def _number(value, form: str) -> str:
+    return form.format(value) if isinstance(value, int | float) else "–"
+
+
+def _history_table(history: list[dict], chart: bool = False) -> list[str]:
+    """The newest events of the destination's release history (``draftflow.releases``); a refresh's
+    lines carry the drafter in service it raced (champion) and its traffic window."""
     lines = [
         "## Release history",
         "",
         "Earlier events of this recipe at the destination when this version was published, newest "
         "first (`draftflow releases list` shows which version is current now).",
         "",
-        "| version | date (UTC) | event | τ |",
-        "|---|---|---|---|",
+        "| version | date (UTC) | event | τ | speed-up | champion τ | champion speed-up | traffic until |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for event in history[-HISTORY_ROWS:][::-1]:
-        tau = (event.get("details") or {}).get("tau")
-        tau = f"{tau:.3f}" if isinstance(tau, int | float) else "–"
+        details = event.get("details") or {}
+        champion = details.get("champion") or {}
+        until = str((details.get("window") or {}).get("until") or "–")[:16]
         lines.append(
-            f"| `{event.get('version') or '–'}` | {str(event.get('time', ''))[:10]} | {event.get('event')} | {tau} |"
+            f"| `{event.get('version') or '–'}` | {str(event.get('time', ''))[:10]} | {event.get('event')} | "
+            f"{_number(details.get('tau'), '{:.3f}')} | {_number(details.get('speedup'), '{:.2f}x')} | "
+            f"{_number(champion.get('tau'), '{:.3f}')} | {_number(champion.get('speedup'), '{:.2f}x')} | {until} |"
         )
+    if chart:
+        lines += ["", f"![τ of each release event]({HISTORY_CHART_FILE})"]
     return [*lines, ""]
+
+
+def history_chart(history: list[dict], path: str | Path) -> bool:
+    """τ of each release event with one (published, promoted, refused…), and the champion's τ it was
+    raced against, as a PNG at ``path``; False (nothing written) when no event has a τ."""
+    from matplotlib.figure import Figure  # not pyplot: drawn in task threads (see train/curves.py)
+
+    events = [
+        e for e in history[-HISTORY_ROWS:] if isinstance((e.get("details") or {}).get("tau"), int | float)
+    ]
+    if not events:
+        return False
+    fig = Figure(figsize=(7, 3.2), dpi=100)
+    ax = fig.add_subplot()
+    xs = list(range(len(events)))
+    taus = [e["details"]["tau"] for e in events]
+    ax.plot(xs, taus, color="tab:blue", label="τ (this drafter)")
+    for x, event, tau in zip(xs, events, taus):
+        refused = event.get("event") == "refused"
+        ax.scatter([x], [tau], marker="x" if refused else "o", color="tab:red" if refused else "tab:blue")
+    champions = [(x, (e["details"].get("champion") or {}).get("tau")) for x, e in zip(xs, events)]
+    champions = [(x, t) for x, t in champions if isinstance(t, int | float)]
+    if champions:
+        ax.scatter(*zip(*champions), marker="_", s=200, color="tab:gray", label="τ of the drafter in service")
+    ax.set_xticks(xs, [str(e.get("version") or "")[:6] for e in events], rotation=45, fontsize=7)
+    ax.set_ylabel("mean acceptance length τ")
+    ax.set_title("Release history (x: refused)")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
 
 
 def render(
@@ -210,6 +252,7 @@ def render(
     folder_name: str,
     chart: bool,
     history: list[dict] | None = None,
+    history_chart: bool = False,
 ) -> str:
     """The card's Markdown for the checkpoint published at ``location``; ``history``: the release
     events at its destination so far (none: no history section)."""
@@ -255,5 +298,5 @@ def render(
         "",
     ]
     if history:
-        lines += _history_table(history)
+        lines += _history_table(history, history_chart)
     return "\n".join(lines)

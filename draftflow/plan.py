@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftflow.data.segments import Window, resolve_window
+from draftflow.data.segments import Window, list_segments, resolve_window
 from draftflow.paths import DataLayout
 from draftflow.recipe.catalog import resolve
 from draftflow.recipe.checks import resolve_context_layer_ids, storage_errors, validate
 from draftflow.recipe.fingerprint import fingerprint
 from draftflow.recipe.load import RecipeError, expand
 from draftflow.recipe.schema import Recipe
+from draftflow.remote import options_for
 from draftflow.target import TargetInfo
 
 NOT_THE_STORE = ("training.run_dir", "publish.destination")  # skip_storage of store-only work
@@ -45,6 +46,7 @@ class Plan:
         data: dict | None = None,
         fixed_fingerprint: str | None = None,
         window: Window | None = None,
+        segment: str = "newest",
     ) -> Plan:
         """Validate and resolve. ``storage_options``: the store block's fsspec options (None: the
         environment's); an ``s3://`` store, run folder or destination with no credentials in them
@@ -52,8 +54,9 @@ class Plan:
         block replaces, e.g. ``publish.destination``). ``data`` and ``fixed_fingerprint``: the
         recipe's content and fingerprint as a run reference froze them (draftflow.run_ref), so a
         stage of a run plans what the run started with, whatever happened to the file since.
-        ``window``: the traffic window a run reference froze (None: the window of a run starting
-        now, for a recipe with a traffic source)."""
+        ``window``: the traffic window a run reference froze. None, for a recipe with a traffic
+        source: ``segment="new"``, the window of a run starting now (what prepare and extract
+        write); ``"newest"``, the newest listed segment's (what train, evaluate and publish read)."""
         path = str(resolve(recipe)) if data is None else recipe
         checked = validate(path, overrides, data)
         if checked.target is None:
@@ -68,7 +71,7 @@ class Plan:
         layer_ids = tuple(checked.layer_ids)
         store = expand(r.extraction.store)
         if r.data.traffic is not None and window is None:
-            window = resolve_window(r.data.traffic, store, r.name, storage_options)
+            window = _window(r, store, segment, storage_options)
         elif r.data.traffic is None:
             window = None
         fp = fixed_fingerprint or fingerprint(r, list(layer_ids), storage_options, window=window)
@@ -99,3 +102,17 @@ class Plan:
             f"drafter {r.drafter.kind}; data folder {self.data.root}"
             + (f"; traffic window {self.window}" if self.window else "")
         )
+
+
+def _window(recipe: Recipe, store: str, segment: str, storage_options: dict | None) -> Window:
+    if segment == "new":
+        return resolve_window(recipe.data.traffic, store, recipe.name, storage_options)
+    if segment != "newest":
+        raise ValueError(f"segment is 'new' or 'newest', not {segment!r}")
+    listed = list_segments(store, recipe.name, options_for(store, storage_options))
+    if not listed:
+        raise RecipeError(
+            f"{recipe.name}: no traffic segment is listed in {store} yet (a traffic window becomes one "
+            "when its extraction completes): run the extract or pipeline flow first"
+        )
+    return Window.from_dict(listed[-1]["window"])

@@ -36,7 +36,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from draftflow.evaluation.contract import check_contract
 from draftflow.evaluation.report import Evaluation
-from draftflow.model_card import CHART_FILE, render
+from draftflow.model_card import CHART_FILE, HISTORY_CHART_FILE, history_chart, render
 from draftflow.models.provenance import read_provenance
 from draftflow.models.speculators import checkpoint_digest
 from draftflow.paths import EXPORT_RECIPE, MODEL_CARD, join
@@ -47,7 +47,8 @@ from draftflow.remote import is_remote, local_copy
 
 log = logging.getLogger(__name__)
 VERSION_FILE = "draftflow-version.json"
-_NOT_VERSIONED = (VERSION_FILE, MODEL_CARD)  # the card names the version, so it cannot be part of it
+# the card names the version, so it cannot be part of it; the history chart changes with each event
+_NOT_VERSIONED = (VERSION_FILE, MODEL_CARD, HISTORY_CHART_FILE)
 
 
 class PublishRefused(RuntimeError):
@@ -99,6 +100,8 @@ class Published:
     version: str
     pushed: bool  # False when that exact version was already there
     previous: str | None = None  # the version the release pointer named before (fsspec destinations)
+    kept: str | None = None  # a refresh that did not beat the drafter in service: its version, kept
+    reasons: list[str] = field(default_factory=list)  # why it was kept
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -146,6 +149,7 @@ def publish(
     target_info=None,
     recipe: Recipe | None = None,
     storage_options: dict | None = None,
+    history: dict | None = None,
 ) -> Published:
     """Check, write the model card (and chart) into ``checkpoint``, push it to ``destination``.
 
@@ -156,11 +160,28 @@ def publish(
     pointer then names the version (``Published.previous``: the one it named before). A remote ``checkpoint`` or
     ``report`` (a run folder on s3://) is read through a local copy, with ``storage_options`` (None:
     the environment's); the card is written into that copy, never into the run folder.
+
+    A refresh run (the report carries champion margins) at an fsspec destination records its
+    decision in the release history (``history``: the segment's window and counts, added to the
+    line). When it does not beat the drafter in service, that one is kept: nothing is pushed, the
+    pointer stays, and the result says why (``kept``, ``reasons``) instead of raising.
     """
     folder = local_copy(checkpoint, storage_options)
     report = _local_report(str(report), storage_options)
     evaluation = Evaluation.from_dict(json.loads(report.read_text()))
-    check_publishable(folder, evaluation, target_info)
+    try:
+        check_publishable(folder, evaluation, target_info)
+    except PublishRefused as refused:
+        if evaluation.champion_margins is None or destination is None or destination.hub_repo:
+            raise
+        releases = Releases(destination.url, _recipe(folder, recipe)[0].name, destination.storage_options)
+        details = {**_release_details(evaluation, False), **(history or {}), "reason": str(refused)}
+        releases.record("refused", folder_digest(folder), details=details)
+        champion = evaluation.champion
+        if champion is None:
+            raise  # a first refresh, nothing in service: the usual gate failed
+        log.warning("kept the drafter in service (%s): %s", champion["version"], refused)
+        return Published(None, folder_digest(folder), False, kept=champion["version"], reasons=[str(refused)])
     chart = report.with_name(CHART_FILE)
     if chart.is_file():
         (folder / CHART_FILE).write_bytes(chart.read_bytes())
@@ -173,6 +194,8 @@ def publish(
     elif destination is not None:
         location = join(destination.url, name)
         releases = Releases(destination.url, recipe.name, destination.storage_options)
+    events = releases.history() if releases else None
+    charted = bool(events) and history_chart(events, folder / HISTORY_CHART_FILE)
     card = render(
         recipe=recipe,
         recipe_text=recipe_text,
@@ -181,7 +204,8 @@ def publish(
         location=location or str(folder),
         folder_name=name,
         chart=chart.is_file(),
-        history=releases.history() if releases else None,
+        history=events,
+        history_chart=charted,
     )
     (folder / MODEL_CARD).write_text(card)
     if destination is None:
@@ -189,7 +213,8 @@ def publish(
     if releases is None:
         return push_hub(folder, destination.hub_repo, destination.hf_token, private=destination.private)
     published = push_fsspec(folder, destination.url, recipe.name, destination.storage_options)
-    release = releases.promote(version, details=_release_details(evaluation, published.pushed))
+    details = {**_release_details(evaluation, published.pushed), **(history or {})}
+    release = releases.promote(version, details=details)
     return replace(published, previous=release.previous)
 
 
@@ -202,6 +227,13 @@ def _release_details(evaluation: Evaluation, pushed: bool) -> dict:
     throughput = evaluation.vllm.throughput if evaluation.vllm else None
     if throughput and "speedup" in throughput:
         details["speedup"] = round(throughput["speedup"], 4)
+    champion = evaluation.champion
+    if champion is not None:
+        details["champion"] = {
+            "version": champion["version"],
+            "tau": round(champion["tau"], 4),
+            "speedup": round(champion["speedup"], 4),
+        }
     return {**details, "pushed": pushed}
 
 

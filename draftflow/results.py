@@ -43,6 +43,8 @@ class TrainResult:
     metrics: dict | None = None
     selected: dict | None = None  # the exported step and why (validation τ or last step)
     training_curves: str | None = None
+    init_from: str | None = None  # a warm start: the exported drafter it began from
+    replayed_samples: int = 0  # samples of earlier traffic segments mixed in (refresh.replay)
     node_rank: int = 0
     result_on_another_node: bool = False
 

@@ -63,16 +63,24 @@ class RunRef(BaseModel):
         store_block: str | None = None,
         vllm_block: str | None = None,
         destination_block: str | None = None,
+        segment: str = "newest",
     ) -> tuple[RunRef, Plan]:
         """Read and validate the recipe once; the reference and the plan it gives.
         ``resolved_overrides``: ``overrides`` with secret values restored and the blocks' settings
-        appended (what the plan applies); default ``overrides``."""
+        appended (what the plan applies); default ``overrides``. ``segment``: for a recipe with a
+        traffic source, the window this run reads (see :meth:`Plan.load`): a ``new`` one (prepare,
+        extract, pipeline) or the ``newest`` listed segment's (train, evaluate, publish)."""
         path = resolve(recipe)
         text = path.read_text()
         data = _parse(text, path)
         applied = list(overrides if resolved_overrides is None else resolved_overrides)
         plan = Plan.load(
-            str(path), applied, storage_options=storage_options, skip_storage=skip_storage, data=data
+            str(path),
+            applied,
+            storage_options=storage_options,
+            skip_storage=skip_storage,
+            data=data,
+            segment=segment,
         )
         ref = cls(
             recipe=str(path),

@@ -22,15 +22,26 @@ class PipelineResult:
     checkpoint: str
     report: str
     published: str | None
+    kept: str | None = None  # a refresh that did not beat the drafter in service: that one's version
+    warm_start: str | None = None  # a refresh: the drafter training began from
+    replayed_samples: int = 0  # a refresh: samples of earlier segments trained on
 
     def summary(self) -> str:
+        kept = f" (kept the drafter in service, {self.kept})" if self.kept else ""
         return "\n".join(
             [
                 f"pipeline finished: {self.recipe} (data fingerprint {self.fingerprint})",
                 f"mean acceptance length τ = {self.tau:.3f} (gate {'passed' if self.passed_gate else 'FAILED'})",
                 f"checkpoint: {self.checkpoint}",
+                *(
+                    [
+                        f"refresh: warm start from {self.warm_start or '(none)'}, {self.replayed_samples} replayed"
+                    ]
+                    if self.warm_start or self.replayed_samples
+                    else []
+                ),
                 f"evaluation report: {self.report}",
-                f"published to: {self.published or '(not published)'}",
+                f"published to: {self.published or '(not published)'}{kept}",
             ]
         )
 
@@ -43,7 +54,9 @@ def pipeline(
     vllm_block: str | None = None,
     destination_block: str | None = None,
 ) -> PipelineResult:
-    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block, destination_block)
+    ref = resolve_run(
+        recipe, list(overrides or []), store_block, vllm_block, destination_block, segment="new"
+    )
     online = ref.mode != "offline"
     _, server = extract_stage(ref, keep_server=online)
     try:  # online and hybrid training read from vLLM: the server stays up for the trainer
@@ -61,4 +74,7 @@ def pipeline(
         trained.export_dir,
         evaluated.report,
         published.location,
+        published.kept,
+        trained.init_from,
+        trained.replayed_samples,
     )

@@ -38,7 +38,7 @@ def prepare(
     store_block: str | None = None,
     vllm_block: str | None = None,
 ) -> PrepareResult:
-    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block)
+    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block, segment="new")
     # Starts (and stops) a plain vLLM server itself when the target must write text.
     return prepare_data(ref)
 
@@ -51,7 +51,7 @@ def extract(
     vllm_block: str | None = None,
 ) -> ExtractResult:
     """Server → prepare → one mapped task per shard → shard table. Fails if any shard failed."""
-    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block)
+    ref = resolve_run(recipe, list(overrides or []), store_block, vllm_block, segment="new")
     summary, _ = extract_stage(ref, keep_server=False)
     return summary
 

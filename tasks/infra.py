@@ -10,9 +10,10 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-from blocks.infrastructure import HiddenStateStore, VLLMServer
+from blocks.infrastructure import CheckpointDestination, HiddenStateStore, VLLMServer
 from draftflow.plan import Plan
 from draftflow.process_env import STORAGE_OPTIONS_ENV, VLLM_API_KEY_ENV, storage_options_from_env
+from draftflow.publish import Destination
 from draftflow.recipe.load import string_override
 from draftflow.recipe.redact import restore_secret_overrides
 from draftflow.recipe.schema import VLLMLaunchSection
@@ -35,6 +36,7 @@ def start_run(
     store_block: str | None = None,
     vllm_block: str | None = None,
     destination_block: str | None = None,
+    segment: str = "newest",
 ) -> tuple[RunRef, Plan]:
     """The flow run's one resolution of its recipe: the run reference every task gets, and its plan
     (remote folders checked against the store block's credentials, else the environment's)."""
@@ -48,6 +50,7 @@ def start_run(
         store_block=store_block,
         vllm_block=vllm_block,
         destination_block=destination_block,
+        segment=segment,
     )
 
 
@@ -108,6 +111,14 @@ def subprocess_env(infra: Infra) -> dict[str, str]:
     if infra.api_key:
         env[VLLM_API_KEY_ENV] = infra.api_key
     return env
+
+
+def run_destination(ref: RunRef, plan: Plan, storage_options: dict | None) -> Destination | None:
+    """Where the run publishes: its destination block's, else the recipe's (the store's options)."""
+    if ref.destination_block:
+        return CheckpointDestination.load(ref.destination_block).destination()
+    url = plan.recipe.publish.destination
+    return Destination.parse(url, storage_options=storage_options) if url else None
 
 
 def artifact_key(ref: RunRef | Plan, what: str) -> str:

@@ -18,9 +18,12 @@ def resolve_run(
     store_block: str | None = None,
     vllm_block: str | None = None,
     destination_block: str | None = None,
+    segment: str = "newest",
 ) -> RunRef:
     """Fail fast on a bad recipe or missing object-store credentials (before any server starts);
-    the run reference every later task of the flow run takes (draftflow.run_ref)."""
-    ref, plan = start_run(recipe, overrides, store_block, vllm_block, destination_block)
+    the run reference every later task of the flow run takes (draftflow.run_ref). ``segment``: a
+    recipe with a traffic source reads a ``new`` window (prepare, extract, pipeline) or the
+    ``newest`` listed one (train, evaluate, publish)."""
+    ref, plan = start_run(recipe, overrides, store_block, vllm_block, destination_block, segment)
     get_run_logger().info("%s; fingerprint %s", plan.describe(), ref.fingerprint)
     return ref

@@ -32,13 +32,14 @@ from draftflow.plan import Plan
 from draftflow.process_group import stop_group, terminate_with_parent
 from draftflow.progress import Progress
 from draftflow.recipe.redact import redact_args
+from draftflow.refresh import find_champion
 from draftflow.remote import is_remote
 from draftflow.results import TrainResult
 from draftflow.run_ref import RunRef
 from draftflow.train import RESULT_PREFIX
 from draftflow.train.launch import torchrun_launch
 from draftflow.train.metrics import parse_line
-from tasks.infra import artifact_key, blocks_for, plan_for, subprocess_env
+from tasks.infra import artifact_key, blocks_for, plan_for, run_destination, subprocess_env
 from tasks.progress import prefect_sinks
 
 
@@ -50,7 +51,14 @@ def node_launch(
     trainer plans what the run started with)."""
     infra = blocks_for(ref)
     plan = plan_for(ref, infra)
-    cmd, secret_env = torchrun_launch(plan, run_id, node_rank=node_rank, max_steps=max_steps)
+    champion = None
+    if plan.recipe.refresh is not None and plan.recipe.refresh.warm_start:
+        destination = run_destination(ref, plan, infra.storage_options)
+        champion = find_champion(plan, destination.url, destination.storage_options) if destination else None
+    init_from = str(champion.folder) if champion else None
+    cmd, secret_env = torchrun_launch(
+        plan, run_id, node_rank=node_rank, max_steps=max_steps, init_from=init_from
+    )
     return plan, cmd, {**subprocess_env(infra), **secret_env, **ref.to_env()}
 
 
@@ -114,6 +122,12 @@ def train_drafter(ref: RunRef, run_id: str, max_steps: int | None = None, node_r
     if code != 0 or result is None:
         raise RuntimeError(f"torchrun exited with {code}; stderr tail:\n" + "".join(stderr_tail))
     progress.close()
+    if result.init_from or result.replayed_samples:
+        logger.info(
+            "refresh: warm start from %s, %d samples of earlier segments replayed",
+            result.init_from or "(none: from scratch)",
+            result.replayed_samples,
+        )
     _validation_artifacts(plan, rows, result)
     if rows:
         create_table_artifact(

@@ -33,6 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve and simulate K drafted tokens per step instead of the checkpoint's own (DFlash: "
         "1 to block_size - 1; Eagle3: any chain length), as vLLM's num_speculative_tokens would",
     )
+    p.add_argument(
+        "--champion",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a recipe with a `refresh` section: race the drafter its publish.destination's release "
+        "pointer names beside this one and gate on it (default); --no-champion: the usual gate only",
+    )
     add_overrides(p)
     p.set_defaults(func=cmd_evaluate)
 
@@ -46,13 +53,21 @@ def cmd_evaluate(args) -> int:
         default_eval_dir,
         evaluate_checkpoint,
     )
+    from draftflow.plan import Plan
+    from draftflow.process_env import storage_options_from_env
+    from draftflow.refresh import find_champion
+    from draftflow.releases import ReleaseError
 
     out = args.out or default_eval_dir(args.checkpoint)
+    options = storage_options_from_env()
     try:
+        plan = Plan.load(str(args.recipe), args.overrides, storage_options=options)
+        champion = find_champion(plan, plan.recipe.publish.destination, options) if args.champion else None
         evaluation = evaluate_checkpoint(
             args.checkpoint,
-            args.recipe,
-            overrides=args.overrides,
+            plan,
+            storage_options=options,
+            champion=champion,
             in_vllm=args.vllm,
             out_dir=out,
             strict_contract=not args.ignore_contract,
@@ -60,7 +75,14 @@ def cmd_evaluate(args) -> int:
                 {"num_speculative_tokens": args.draft_length} if args.draft_length is not None else None
             ),
         )
-    except (ContractError, AgreementError, LosslessError, EvaluationError, DraftLengthError) as err:
+    except (
+        ContractError,
+        AgreementError,
+        LosslessError,
+        EvaluationError,
+        DraftLengthError,
+        ReleaseError,
+    ) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(evaluation.markdown(), end="")

@@ -101,7 +101,11 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from draftflow.vllm.launch import ServerStartError
 
     plan = Plan.load(
-        args.recipe, args.overrides, storage_options=storage_options(args), skip_storage=NOT_THE_STORE
+        args.recipe,
+        args.overrides,
+        storage_options=storage_options(args),
+        skip_storage=NOT_THE_STORE,
+        segment="new",
     )
     bar = ProgressBar()
     bar.line(plan.describe())
@@ -122,4 +126,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
         return 1
     bar.finish()
     print(summary)
+    if summary.ok and plan.window is not None:  # a traffic window: its segment is complete
+        from draftflow.data.segments import list_segment
+
+        list_segment(plan.store, plan.recipe.name, plan.fingerprint, plan.window, storage_options(args))
     return 0 if summary.ok else 1

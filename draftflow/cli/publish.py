@@ -47,7 +47,9 @@ def cmd_publish(args) -> int:
     except PublishRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    if published.location is None:
+    if published.kept:
+        print(f"kept the drafter in service, {published.kept}: {'; '.join(published.reasons)}")
+    elif published.location is None:
         print(f"checked; model card written into {args.checkpoint} (no --to: nothing pushed)")
     else:
         state = "published" if published.pushed else "already published"

@@ -39,7 +39,12 @@ def cmd_train(args) -> int:
 
     ref, plan = RunRef.create(args.recipe, args.overrides)  # RecipeError: one line, exit 2, nothing started
     cmd, env = torchrun_launch(
-        plan, args.run_id, node_rank=args.node_rank, max_steps=args.max_steps, trainer_args=switches_on(args)
+        plan,
+        args.run_id,
+        node_rank=args.node_rank,
+        max_steps=args.max_steps,
+        init_from=args.init_from,
+        trainer_args=switches_on(args),
     )
     env |= ref.to_env()  # the trainer plans what was validated here (draftflow.run_ref)
     if args.print_command:

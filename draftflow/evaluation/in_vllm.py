@@ -38,6 +38,7 @@ import httpx
 from draftflow.evaluation.baselines import baseline_configs
 from draftflow.evaluation.report import AcceptanceReport, PromptAcceptance
 from draftflow.evaluation.speed import (  # noqa: F401  (pooled_tokens_per_s and rotated_order re-exported)
+    CHAMPION,
     DRAFTER,
     TARGET,
     GenerationRun,
@@ -308,6 +309,7 @@ def evaluate_in_vllm(
     speed_rounds: int = 1,
     interleave: bool = False,
     baselines: Sequence[str] = (),
+    champion: tuple[str, str] | None = None,
     request_timeout_s: float = 600.0,
 ) -> VLLMResult:
     """Serve the target with ``checkpoint_dir`` as its drafter and read vLLM's own acceptance.
@@ -320,11 +322,13 @@ def evaluate_in_vllm(
     schedule (the factory must allow every side's server at once); the counters come from its first
     round. baselines: with measure_baseline, train-free speculation on the target
     (:mod:`draftflow.evaluation.baselines`, drafting the drafter's k tokens) decoded as more sides
-    of the same rounds; each one's speed lands in ``throughput["baselines"]``.
+    of the same rounds; each one's speed lands in ``throughput["baselines"]``. champion: with
+    measure_baseline, (version, folder) of the drafter in service, decoded as one more side with its
+    counters read: its τ and speed land in ``throughput["champion"]``.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    if (interleave or baselines) and not measure_baseline:
+    if (interleave or baselines or champion) and not measure_baseline:
         raise ValueError(
             "an interleaved schedule and baselines are timed against the target alone: needs measure_baseline"
         )
@@ -334,8 +338,12 @@ def evaluate_in_vllm(
     configs = baseline_configs(list(baselines), k)
     sides = {DRAFTER: (str(checkpoint_dir), speculative_config), TARGET: (info["verifier"], None)}
     sides.update({name: (info["verifier"], config) for name, config in configs.items()})
+    scrape = [DRAFTER]
+    if champion is not None:
+        sides[CHAMPION] = (champion[1], speculative_config)
+        scrape.append(CHAMPION)
     rounds = (server_factory, sides, prompts, max_new_tokens, speed_rounds, request_timeout_s)
-    timed = decode_rounds(*rounds, scrape=[DRAFTER], interleave=True) if interleave else None
+    timed = decode_rounds(*rounds, scrape=scrape, interleave=True) if interleave else None
     if timed:
         run = timed[DRAFTER][0]
     else:
@@ -344,7 +352,7 @@ def evaluate_in_vllm(
     report.notes.insert(0, f"vLLM spec-decode counters; target {info['verifier']}")
     baseline = None
     if measure_baseline:
-        timed = timed or decode_rounds(*rounds, first=run)
+        timed = timed or decode_rounds(*rounds, first=run, scrape=scrape[1:])
         baseline = timed[TARGET][0].outputs
         report.throughput = dict(
             speed_summary(timed[DRAFTER], timed[TARGET]),
@@ -365,8 +373,28 @@ def evaluate_in_vllm(
                 summary, notes = baseline_summary(name, config, timed[name], timed[TARGET], names)
                 report.throughput["baselines"][name] = summary
                 report.notes += notes
+        if champion is not None:
+            report.throughput[CHAMPION] = champion_summary(champion, timed, names, speculative_config)
+            report.notes += report.throughput[CHAMPION].pop("notes")
         report.throughput["prompt_timings"] = prompt_timings(timed, names)
     return VLLMResult(report, run.outputs, baseline)
+
+
+def champion_summary(
+    champion: tuple[str, str],
+    timed: dict[str, list[GenerationRun]],
+    names: Sequence[str],
+    speculative_config: dict | None,
+) -> dict:
+    """The champion side: its version, τ from its first pass's counters, its speed as a baseline's
+    (speed-up over the same target passes) and, under ``notes``, where its outputs differ."""
+    version, folder = champion
+    info = checkpoint_info(folder)
+    runs = timed[CHAMPION]
+    k = int((speculative_config or {}).get("num_speculative_tokens") or info["speculative_tokens"])
+    tau = counters_report(runs[0], names, drafter=info["kind"], k=k).mean_acceptance_length
+    summary, notes = baseline_summary(CHAMPION, {"version": version}, runs, timed[TARGET], names)
+    return {"version": version, "tau": tau, **summary, "notes": notes}
 
 
 def counters_report(

@@ -119,6 +119,9 @@ class Evaluation:
     # the speed gate (evaluation.min_speedup, evaluation.must_beat); reports older than it: off
     min_speedup: float | None = None
     must_beat: list[str] = field(default_factory=list)
+    # a refresh run (recipe `refresh`): {"acceptance", "speedup"}, the margins by which this drafter
+    # (the challenger) must beat the one in service (the champion), measured beside it
+    champion_margins: dict | None = None
 
     @property
     def tau(self) -> float:
@@ -149,9 +152,36 @@ class Evaluation:
         throughput = self.vllm.throughput if self.vllm else None
         return dict((throughput or {}).get("baselines") or {})
 
+    @property
+    def champion(self) -> dict | None:
+        """The drafter in service as measured beside this one (speed.py), on a refresh run that has one."""
+        throughput = self.vllm.throughput if self.vllm else None
+        return (throughput or {}).get("champion")
+
+    def champion_failures(self) -> list[str]:
+        """Why this drafter does not beat the champion by the recipe's margins; empty: it does, or
+        there is no champion (a first refresh: the usual gate alone)."""
+        champion = self.champion
+        if self.champion_margins is None or champion is None:
+            return []
+        failures = []
+        gain, version = self.champion_margins["acceptance"], champion["version"]
+        if not self.tau >= champion["tau"] + gain:
+            failures.append(
+                f"τ {self.tau:.3f} does not beat the champion's ({version}) τ {champion['tau']:.3f} by "
+                f"refresh.min_gain_acceptance {gain}"
+            )
+        speedup, gain = self.speedup, self.champion_margins["speedup"]
+        if speedup is not None and not speedup >= champion["speedup"] + gain:
+            a, b = _pair(speedup, champion["speedup"])
+            failures.append(
+                f"speed-up {a} does not beat the champion's ({version}) {b} by refresh.min_gain_speedup {gain}"
+            )
+        return failures
+
     def gate_failures(self) -> list[str]:
         """Each reason the gate fails, one line naming the numbers; empty: passed."""
-        failures = []
+        failures = self.champion_failures()
         if self.tau < self.min_acceptance_length:
             failures.append(
                 f"τ {self.tau:.3f} < evaluation.min_acceptance_length {self.min_acceptance_length}"
@@ -212,6 +242,7 @@ class Evaluation:
             "min_acceptance_length": self.min_acceptance_length,
             "min_speedup": self.min_speedup,
             "must_beat": list(self.must_beat),
+            "champion_margins": self.champion_margins,
             "speedup": self.speedup,
             "passed_gate": self.passed_gate,
             "gate_failures": self.gate_failures(),
@@ -235,6 +266,7 @@ class Evaluation:
             checkpoint_digest=data.get("checkpoint_digest"),
             min_speedup=data.get("min_speedup"),
             must_beat=list(data.get("must_beat") or []),
+            champion_margins=data.get("champion_margins"),
         )
 
     def markdown(self) -> str:
@@ -300,9 +332,22 @@ class Evaluation:
             f"Gate: τ {self.tau:.3f} vs minimum {self.min_acceptance_length:.3f}: "
             + verdict[self.tau >= self.min_acceptance_length]
         ]
+        champion = self.champion if self.champion_margins is not None else None
+        if champion is not None:
+            gain = self.champion_margins["acceptance"]
+            lines.append(
+                f"Gate: τ {self.tau:.3f} vs the champion's ({champion['version']}) {champion['tau']:.3f} "
+                f"+ {gain}: {verdict[self.tau >= champion['tau'] + gain]}"
+            )
         speedup, note = self.speedup, self.speed_gate_note()
         if note:
             return [*lines, f"Gate: {note}"]
+        if champion is not None and speedup is not None:
+            gain = self.champion_margins["speedup"]
+            a, b = _pair(speedup, champion["speedup"])
+            lines.append(
+                f"Gate: speed-up {a} vs the champion's {b} + {gain}: {verdict[speedup >= champion['speedup'] + gain]}"
+            )
         if speedup is None:
             return lines
         if self.min_speedup is not None:

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from draftflow.data.chat import load_chat_encoder
 from draftflow.data.dataset import eval_prompts
@@ -44,6 +45,9 @@ from draftflow.process_env import storage_options_from_env
 from draftflow.recipe.load import expand
 from draftflow.remote import is_remote, local_copy, url_to_fs
 from draftflow.vllm.plugin import installed_fixes
+
+if TYPE_CHECKING:
+    from draftflow.refresh import Champion
 
 
 class AgreementError(RuntimeError):
@@ -118,11 +122,15 @@ def evaluate_prompts(
     storage_options: dict | None = None,
     min_speedup: float | None = None,
     must_beat: Sequence[str] = (),
+    champion: tuple[str, str] | None = None,
+    champion_margins: dict | None = None,
 ) -> EvalRun:
     """Everything :func:`evaluate_checkpoint` does once the prompts are token ids. A remote
     ``checkpoint_dir`` (an export on s3://) is evaluated from a local copy; the report names the URL.
     ``min_speedup`` and ``must_beat``: the speed gate; the ``must_beat`` baselines are decoded beside
-    the drafter when vLLM measures the speed-up (``in_vllm`` and ``measure_baseline``)."""
+    the drafter when vLLM measures the speed-up (``in_vllm`` and ``measure_baseline``). ``champion``:
+    (version, local folder) of the drafter in service, decoded beside this one on a refresh run;
+    ``champion_margins``: what this one must beat it by (the gate)."""
     checkpoint = str(checkpoint_dir)
     local = str(local_copy(checkpoint, storage_options))
     problems = check_contract(local, target_info, verifier=target, fingerprint=fingerprint)
@@ -137,6 +145,7 @@ def evaluate_prompts(
         checkpoint_digest=speculators.checkpoint_digest(local),
         min_speedup=min_speedup,
         must_beat=list(must_beat),
+        champion_margins=champion_margins,
     )
     run = EvalRun(evaluation)
     if problems and strict_contract:
@@ -171,6 +180,7 @@ def evaluate_prompts(
             speed_rounds=speed_rounds,
             interleave=interleave,
             baselines=list(must_beat) if measure_baseline else (),
+            champion=champion if measure_baseline else None,
         )
         same = sum(a == b for a, b in zip(run.vllm.outputs, run.offline.outputs))
         run.vllm.report.notes.append(f"{same}/{len(prompts)} outputs identical to the offline simulator's")
@@ -265,11 +275,13 @@ def evaluate_checkpoint(
     storage_options: dict | None = None,
     strict_contract: bool = True,
     speculative_config: dict | None = None,
+    champion: Champion | None = None,
 ) -> Evaluation:
     """Evaluate the exported ``checkpoint_dir`` for a recipe (a :class:`Plan`, or a recipe path
     with ``overrides``); see the module doc. ``in_vllm`` None: the recipe's
     ``evaluation.in_vllm``. ``server_factory`` None: start servers from ``vllm.launch``.
-    ``out_dir`` None: :func:`default_eval_dir`."""
+    ``out_dir`` None: :func:`default_eval_dir`. ``champion``: the drafter in service
+    (:func:`draftflow.refresh.find_champion`), raced beside this one on a refresh run."""
     if storage_options is None:  # `draftflow evaluate`: the store's options come from the environment
         storage_options = storage_options_from_env()
     plan = (
@@ -320,6 +332,16 @@ def evaluate_checkpoint(
     }
     if categories:
         meta["prompt_categories"] = categories
+    refresh = plan.recipe.refresh
+    margins = None
+    if refresh is not None:
+        margins = {"acceptance": refresh.min_gain_acceptance, "speedup": refresh.min_gain_speedup}
+        meta["champion"] = champion.version if champion else None
+        if champion is not None and not (in_vllm and ev.measure_speedup):
+            raise EvaluationError(
+                "a refresh races the new drafter against the one in service in vLLM: it needs "
+                "evaluation.in_vllm and evaluation.measure_speedup"
+            )
     fixes = serving_fixes(launch) if in_vllm else frozenset()
     issue = (
         known_vllm_issue(local_copy(checkpoint_dir, storage_options), launch.device, fixes)
@@ -353,5 +375,7 @@ def evaluate_checkpoint(
         storage_options=storage_options,
         min_speedup=ev.min_speedup,
         must_beat=ev.must_beat,
+        champion=(champion.version, str(champion.folder)) if champion else None,
+        champion_margins=margins,
     )
     return run.evaluation

@@ -11,6 +11,7 @@ The vLLM report's ``throughput`` holds it all::
 
     with_drafter_tok_s, without_drafter_tok_s, speedup, rounds (each round's speed-up), schedule,
     baselines: {name: {settings, tok_s, speedup, rounds, outputs_identical, prompts}},
+    champion: {version, tau, settings, tok_s, speedup, rounds, outputs_identical, prompts}  (a refresh)
     prompt_timings: {side: {prompt id: [completion tokens, seconds]}}  (summed over the rounds)
 """
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from draftflow.evaluation.in_vllm import SpecCounters
 
 DRAFTER, TARGET = "drafter", "target"
+CHAMPION = "champion"  # the drafter in service, raced by a refresh run's new one (the challenger)
 
 
 @dataclass

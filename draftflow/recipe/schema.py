@@ -29,6 +29,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from draftflow.models import registry
 from draftflow.recipe.prefect_section import PrefectSection
+from draftflow.recipe.refresh_section import RefreshSection
 from draftflow.recipe.section import (  # noqa: F401  (the bounds are re-exported)
     MAX_COUNT,
     MAX_PARALLEL,
@@ -405,6 +406,19 @@ class PublishSection(Section):
     )
 
 
+def _check_refresh(recipe: Recipe) -> None:
+    if recipe.data.traffic is None:
+        raise ValueError(
+            "refresh: needs a `traffic` data source (a refresh trains on the newest traffic window)"
+        )
+    destination = recipe.publish.destination
+    if destination is not None and destination.startswith("hf://"):
+        raise ValueError(
+            "refresh: the drafter in service is read from a release pointer, which an fsspec "
+            "publish.destination keeps (not hf://)"
+        )
+
+
 class Recipe(Section):
     """A whole training recipe."""
 
@@ -419,6 +433,7 @@ class Recipe(Section):
     evaluation: EvaluationSection = EvaluationSection()
     publish: PublishSection = PublishSection()
     prefect: PrefectSection = PrefectSection()
+    refresh: RefreshSection | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -432,6 +447,8 @@ class Recipe(Section):
                 raise ValueError(
                     f"drafter.context_layer_ids {ctx} must be a subset of extraction.layer_ids {ids}"
                 )
+        if self.refresh is not None:
+            _check_refresh(self)
         launch = self.vllm.launch
         if self.evaluation.speed_schedule == "interleaved" and (launch is None or launch.device != "cpu"):
             raise ValueError(

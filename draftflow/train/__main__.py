@@ -18,6 +18,7 @@ SIGTERM writes a checkpoint, then exits with code 143.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -43,11 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     from draftflow.sample_source import MissingSamples
     from draftflow.train import run_state
     from draftflow.train.checkpointing import CheckpointUnreadable
+    from draftflow.train.drafter import WarmStartMismatch
     from draftflow.train.runtime import init_runtime, shutdown
 
     try:  # before the process group: a bad recipe or missing credentials is one line, no traceback
         # Secret overrides come redacted on argv, their values in the environment (train.launch).
         plan = _plan(args.recipe, restore_secret_overrides(args.overrides))
+        if args.init_from is not None:
+            plan = warm_schedule(plan)
     except RecipeError as err:
         print(f"draftflow.train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
@@ -57,11 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         layout = RunLayout.for_run(training.run_dir, plan.recipe.name, plan.fingerprint, args.run_id)
         with run_state.claim(layout, runtime, force_new=args.force_new):
             return _train(args, argv, plan, layout, runtime)
-    except (run_state.TrainingRefused, CheckpointUnreadable, MissingSamples) as err:
+    except (run_state.TrainingRefused, CheckpointUnreadable, MissingSamples, WarmStartMismatch) as err:
         print(f"draftflow.train: error: {err}", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     finally:
         shutdown(runtime)
+
+
+def warm_schedule(plan):
+    """A warm-started refresh trains for `refresh.epochs` (its own, shorter schedule) when set."""
+    refresh = plan.recipe.refresh
+    if refresh is None or refresh.epochs is None:
+        return plan
+    training = plan.recipe.training.model_copy(update={"epochs": refresh.epochs})
+    return dataclasses.replace(plan, recipe=plan.recipe.model_copy(update={"training": training}))
 
 
 def _plan(recipe: str, overrides: list[str]):
@@ -82,17 +95,18 @@ def _plan(recipe: str, overrides: list[str]):
 
 def _train(args, argv, plan, layout, runtime) -> int:
     from draftflow.process_env import storage_options_from_env
-    from draftflow.sample_source import open_source
     from draftflow.train import drafter, loop, run_state
     from draftflow.train.monitor import Monitor
+    from draftflow.train.replay import open_training_source
 
     options = storage_options_from_env()  # the store's (and run folder's) options, never argv
+    init_from = args.init_from
     if runtime.is_main:  # builds and caches the draft vocabulary; the others then read it
-        setup = drafter.build(plan, storage_options=options, is_main=True)
+        setup = drafter.build(plan, storage_options=options, is_main=True, init_from=init_from)
     runtime.barrier()
     if not runtime.is_main:
-        setup = drafter.build(plan, storage_options=options, is_main=False)
-    source = open_source(plan)
+        setup = drafter.build(plan, storage_options=options, is_main=False, init_from=init_from)
+    source = open_training_source(plan)
     run_state.record_skipped(layout, runtime, source.skipped)
     run_state.check_settings_agreed(
         layout, runtime, run_state.run_settings(plan.recipe, runtime.world_size, list(source.skipped))
@@ -126,6 +140,8 @@ def _train(args, argv, plan, layout, runtime) -> int:
             "metrics": result.last_metrics,
             "selected": selected,
             "training_curves": layout.training_curves if monitor.validations else None,
+            "init_from": init_from,
+            "replayed_samples": len(getattr(source, "replayed", ())),
         }
         print(RESULT_PREFIX + json.dumps(summary), flush=True)
     return EXIT_INTERRUPTED if result.interrupted else 0

@@ -29,6 +29,13 @@ def add_trainer_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs with the same id resume each other (several nodes: the same id on every node)",
     )
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
+    parser.add_argument(
+        "--init-from",
+        default=None,
+        metavar="FOLDER",
+        help="warm start: begin from the weights and draft vocabulary of this exported drafter "
+        "(a local folder; the optimizer starts fresh, refresh.epochs sets the schedule)",
+    )
     for flag, help_text in SWITCHES:
         parser.add_argument(flag, action="store_true", help=help_text)
 

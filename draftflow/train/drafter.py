@@ -98,17 +98,35 @@ def draft_vocab(
     return vocab
 
 
-def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = True) -> DrafterSetup:
+class WarmStartMismatch(ValueError):
+    """The drafter to start from is not the shape the recipe builds."""
+
+
+def build(
+    plan: Plan,
+    *,
+    storage_options: dict | None = None,
+    is_main: bool = True,
+    init_from: str | Path | None = None,
+) -> DrafterSetup:
+    """The recipe's drafter, fresh, or with the weights and draft vocabulary of the exported folder
+    ``init_from`` (a warm start: a refresh continues from the drafter in service)."""
     training = plan.recipe.training
     layers = layer_selection(plan)
     with_last = training.loss == "target_logits"
-    vocab = draft_vocab(plan, storage_options=storage_options, write_cache=is_main)
+    warm = _warm_tensors(plan, init_from) if init_from is not None else None
+    if warm is not None:
+        vocab = DraftVocab(warm["d2t"], warm["t2d"]) if plan.recipe.drafter.draft_vocab_size else None
+    else:
+        vocab = draft_vocab(plan, storage_options=storage_options, write_cache=is_main)
     head = TargetHead.from_pretrained(plan.target_model, vocab) if with_last else None
     # Every rank must start from the same weights: seed the initialisation itself.
     torch.manual_seed(training.seed)
     drafter = algorithm_class(plan.recipe.drafter.kind).build(
         plan.recipe, plan.target_model, num_context_layers=len(layers.context), vocab=vocab, target_head=head
     )
+    if warm is not None:
+        _load_warm(drafter.model, warm, init_from)
     lm_head = getattr(drafter.model, "lm_head", None)
     if head is not None and lm_head is not None:
         head.use_rows_of(lm_head.weight)
@@ -117,6 +135,37 @@ def build(plan: Plan, *, storage_options: dict | None = None, is_main: bool = Tr
         return drafter.loss(batch, generator)  # ``model`` is drafter.model, moved to the device in place
 
     return DrafterSetup(drafter.model, loss_fn, layers, with_last, vocab, drafter.mask_token_id, drafter)
+
+
+def _warm_tensors(plan: Plan, folder: str | Path) -> dict[str, torch.Tensor]:
+    from draftflow.models import speculators
+
+    try:
+        config, tensors = speculators.read_folder(folder, plan.recipe.drafter.kind)
+    except (OSError, ValueError) as err:
+        raise WarmStartMismatch(
+            f"warm start from {folder}: not a {plan.recipe.drafter.kind} export ({err})"
+        ) from err
+    return speculators.fill_missing(tensors, config, plan.target_model)
+
+
+def _load_warm(model: nn.Module, tensors: dict[str, torch.Tensor], folder: str | Path) -> None:
+    """Copy the exported weights into the freshly built model; every tensor must fit."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    wrong = sorted(k for k in set(own) & set(tensors) if own[k].shape != tensors[k].shape)
+    if missing or unexpected or wrong:
+        shapes = ", ".join(f"{k} {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}" for k in wrong[:3])
+        raise WarmStartMismatch(
+            f"warm start from {folder}: the drafter in service is not the shape this recipe builds "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes: {shapes or 'none'}); "
+            "train from scratch with refresh.warm_start: false"
+        )
+    with torch.no_grad():
+        for name, value in own.items():
+            value.copy_(tensors[name].to(value.dtype))
+    log.info("warm start: weights and draft vocabulary of %s", folder)
 
 
 def export(setup: DrafterSetup, plan: Plan, out_dir: str | Path, *, command: list[str] | None = None) -> Path:

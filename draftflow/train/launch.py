@@ -42,6 +42,7 @@ def torchrun_launch(
     *,
     node_rank: int = 0,
     max_steps: int | None = None,
+    init_from: str | None = None,
     trainer_args: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """argv of `torch.distributed.run` for this node and the environment it needs besides the
@@ -70,4 +71,6 @@ def torchrun_launch(
         cmd += ["--set", override]
     if max_steps is not None:
         cmd += ["--max-steps", str(max_steps)]
+    if init_from is not None:
+        cmd += ["--init-from", str(init_from)]
     return cmd + list(trainer_args), env

@@ -249,3 +249,59 @@ def test_a_redaction_function_that_does_not_import_fails_validation_naming_the_f
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(RecipeError, match=r"data\.sources\[0\]\.traffic\.redact_with: .*no_such_module_here"):
         validate(str(path))
+
+
+def test_reading_stages_plan_the_newest_segment_and_say_when_there_is_none(tmp_path, smollm2_dir):
+    import yaml
+
+    from draftflow.plan import Plan
+    from draftflow.recipe.load import RecipeError
+
+    recipe = {
+        "name": "r",
+        "target": {"model": str(smollm2_dir)},
+        "data": {"sources": [{"kind": "traffic", "traffic": {"paths": [str(tmp_path / "*.jsonl")]}}]},
+        "extraction": {"store": str(tmp_path / "store")},
+        "drafter": {"kind": "dflash"},
+    }
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match="no traffic segment is listed .* run the extract or pipeline flow"):
+        Plan.load(str(path))
+    new = Plan.load(str(path), segment="new")
+    assert new.window.since is None
+    _listed_segment(tmp_path / "store", "r", new.fingerprint, new.window, ["s1"])
+    newest = Plan.load(str(path))
+    assert (newest.window, newest.fingerprint, newest.data) == (new.window, new.fingerprint, new.data)
+    later = Plan.load(str(path), segment="new")
+    assert later.window.since == new.window.until and later.fingerprint != new.fingerprint
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"data": {"sources": [{"kind": "chatterbot"}]}}, "refresh: needs a `traffic` data source"),
+        ({"publish": {"destination": "hf://team/drafter"}}, "release pointer"),
+        ({"refresh": {"replay": 1.5}}, "refresh.replay"),
+        ({"refresh": {"epochs": 0}}, "refresh.epochs"),
+    ],
+)
+def test_a_refresh_section_names_what_it_needs(changes, message, tmp_path, smollm2_dir):
+    import yaml
+
+    from draftflow.recipe.checks import validate
+    from draftflow.recipe.load import RecipeError
+
+    recipe = {
+        "name": "r",
+        "target": {"model": str(smollm2_dir)},
+        "data": {"sources": [{"kind": "traffic", "traffic": {"paths": ["x"]}}]},
+        "drafter": {"kind": "dflash"},
+        "publish": {"destination": str(tmp_path / "dest")},
+        "refresh": {},
+        **changes,
+    }
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError, match=message):
+        validate(str(path))

@@ -57,6 +57,7 @@ def test_a_second_window_prepares_and_extracts_only_new_traffic(
     before = datetime.now(UTC) - timedelta(hours=1)
     first = [exchange(before + timedelta(seconds=n), n, 1) for n in range(14)]
     write_log(logs / "day1.jsonl", [*first, "{cut off", {"request": {"messages": []}}])
+    time.sleep(1.2)  # windows end on a whole second: day1.jsonl is then older than the first one's end
 
     recipe = recipe_dict(smollm2_dir, str(tmp_path / "store"), extraction_endpoint, str(staging_dir))
     recipe["name"] = "traffic-segments"
@@ -91,8 +92,10 @@ def test_a_second_window_prepares_and_extracts_only_new_traffic(
     assert {p: p.stat().st_mtime_ns for p in first_root.rglob("*") if p.is_file()} == first_files
 
     # The second segment's folder holds exactly its new conversations, extracted and verified.
-    _, plan = RunRef.create(str(path), [])  # a third run would start where the second ended
+    _, plan = RunRef.create(str(path), [], segment="new")  # a third run would start where the second ended
     assert plan.window.since == datetime.fromisoformat(two["window"]["until"])
+    _, plan = RunRef.create(str(path), [])  # training, evaluation, publishing: the newest segment
+    assert plan.window.as_dict() == two["window"] and plan.data.root.endswith(two["folder"])
     second_root = tmp_path / "store" / two["folder"]
     samples = pq.read_table(second_root / "prepared" / "samples.parquet")
     texts = [json.loads(m)[0]["content"] for m in samples["messages"].to_pylist()]

@@ -60,6 +60,8 @@ def test_draftflow_train_hands_every_trainer_flag_on_to_the_trainer(train_recipe
         "job3",
         "--max-steps",
         "5",
+        "--init-from",
+        "/models/in-service",
         *(flag for flag, _ in SWITCHES),
     ]
     launched = cli_parser().parse_args(["train", *argv])
