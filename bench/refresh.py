@@ -167,6 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-window", type=int, default=160, help="self-generated conversations per window")
     ap.add_argument("--speed-rounds", type=int, default=2)
+    ap.add_argument("--eval-prompts", type=int, default=24, help="held-out conversations of each window")
     ap.add_argument("--work", type=Path, default=REPO / "draftflow-data" / "bench-refresh")
     args = ap.parse_args()
     args.work = args.work.resolve()
@@ -177,6 +178,7 @@ def main() -> None:
         f"extraction.store={args.work / 'store'}",
         f"training.run_dir={args.work / 'runs'}",
         f"publish.destination={args.work / 'published'}",
+        f"data.eval_samples={args.eval_prompts}",
         *NO_GATE,
     ]
     walls: dict[str, float] = {}

@@ -55,6 +55,14 @@ class PublishRefused(RuntimeError):
     """The checkpoint may not be published (nothing was pushed); the message says why."""
 
 
+class GateFailed(PublishRefused):
+    """The report's gate failed (``failures``: one line per reason, as the message joins them)."""
+
+    def __init__(self, failures: list[str]):
+        super().__init__(f"gate failed: {'; '.join(failures)}; nothing was pushed")
+        self.failures = failures
+
+
 @dataclass(frozen=True)
 class Destination:
     """Where to publish: an fsspec folder URL (one sub-folder per version) or ``hf://OWNER/REPO``.
@@ -133,7 +141,7 @@ def check_publishable(checkpoint: Path, evaluation: Evaluation, target_info=None
         )
     failures = evaluation.gate_failures()  # τ, then the speed-up (when measured) and its baselines
     if failures:
-        raise PublishRefused(f"gate failed: {'; '.join(failures)}; nothing was pushed")
+        raise GateFailed(failures)
     if not evaluation.agrees:
         raise PublishRefused(f"{evaluation.disagreement()}; nothing was pushed")
     problems = list(evaluation.contract_problems) or check_contract(checkpoint, target_info)
@@ -169,14 +177,16 @@ def publish(
     folder = local_copy(checkpoint, storage_options)
     report = _local_report(str(report), storage_options)
     evaluation = Evaluation.from_dict(json.loads(report.read_text()))
+    refresh = evaluation.champion_margins is not None and destination is not None and not destination.hub_repo
+    if refresh:
+        releases = Releases(destination.url, _recipe(folder, recipe)[0].name, destination.storage_options)
+        _check_raced_current(evaluation, releases)
     try:
         check_publishable(folder, evaluation, target_info)
-    except PublishRefused as refused:
-        if evaluation.champion_margins is None or destination is None or destination.hub_repo:
+    except GateFailed as refused:
+        if not refresh:
             raise
-        releases = Releases(destination.url, _recipe(folder, recipe)[0].name, destination.storage_options)
-        details = {**_release_details(evaluation, False), **(history or {}), "reason": str(refused)}
-        releases.record("refused", folder_digest(folder), details=details)
+        _record_refused(releases, folder_digest(folder), evaluation, history, str(refused))
         champion = evaluation.champion
         if champion is None:
             raise  # a first refresh, nothing in service: the usual gate failed
@@ -216,6 +226,32 @@ def publish(
     details = {**_release_details(evaluation, published.pushed), **(history or {})}
     release = releases.promote(version, details=details)
     return replace(published, previous=release.previous)
+
+
+def _check_raced_current(evaluation: Evaluation, releases: Releases) -> None:
+    """A refresh publishes only over the drafter it was raced against: refuse a report measured
+    beside another version (or none) than the one the pointer names now."""
+    pointer = releases.pointer()
+    raced = evaluation.meta.get("champion")
+    if pointer is not None and raced != pointer.version:
+        against = f"beside {raced}" if raced else "without the drafter in service beside it"
+        raise PublishRefused(
+            f"the drafter in service at {releases.dest} is {pointer.version}, but this report measured "
+            f"the checkpoint {against}: evaluate it again (draftflow evaluate --champion) so it races "
+            "the current one; nothing was pushed"
+        )
+
+
+def _record_refused(
+    releases: Releases, version: str, evaluation: Evaluation, history: dict | None, reason: str
+) -> None:
+    """One ``refused`` line per version and reason: publishing the same report again adds none."""
+    last = (releases.history() or [{}])[-1]
+    if last.get("event") == "refused" and last.get("version") == version:
+        if last.get("details", {}).get("reason") == reason:
+            return
+    details = {**_release_details(evaluation, False), **(history or {}), "reason": reason}
+    releases.record("refused", version, details=details)
 
 
 def _release_details(evaluation: Evaluation, pushed: bool) -> dict:

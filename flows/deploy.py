@@ -121,6 +121,7 @@ def deploy(
     `node_rank` / `run_id` (train flow only): a multi-node recipe gets one train deployment per
     node, each on a pool whose worker runs on that machine; all start with the same run_id."""
     from prefect import flow as prefect_flow
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
 
     from draftflow.train.launch import check_node_rank
@@ -146,6 +147,9 @@ def deploy(
     name = name or parsed.name
     parameters["overrides"], job_variables = secret_job_variables(flow, name, overrides)
     deployable = prefect_flow.from_source(source=str(SOURCE_DIR), entrypoint=ENTRYPOINTS[flow])
+    # Traffic windows start where the last run's ended: two runs at once would read the same lines
+    # and list their segments over each other, so a run due while one is running waits its turn.
+    one_at_a_time = parsed.data.traffic is not None
     return deployable.deploy(
         name=name,
         work_pool_name=pool,
@@ -155,6 +159,11 @@ def deploy(
         job_variables=job_variables,
         schedule=Cron(cron, timezone=timezone or "UTC") if cron else None,
         paused=paused,
+        concurrency_limit=(
+            ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+            if one_at_a_time
+            else None
+        ),
         description=f"draftflow {flow} of recipe {parsed.name}",
         tags=["draftflow", f"recipe:{parsed.name}"],
         print_next_steps=False,

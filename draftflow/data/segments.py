@@ -137,12 +137,20 @@ def list_segment(
 
 def segment_counts(report: dict) -> dict[str, int]:
     """What a segment's preparation read and kept (the release history and the docs name these)."""
-    out = {"lines": 0, "malformed": 0, "outside_window": 0, "redacted": 0, "duplicates": 0}
+    out = {
+        "lines": 0,
+        "malformed": 0,
+        "outside_window": 0,
+        "redacted": 0,
+        "redaction_failed": 0,
+        "duplicates": 0,
+    }
     for stats in report.get("sources", {}).values():
         traffic = stats.get("traffic", {})
         dropped = stats.get("dropped", {})
         out["lines"] += traffic.get("lines", 0)
         out["redacted"] += traffic.get("redacted_conversations", 0)
+        out["redaction_failed"] += dropped.get("redaction_failed", 0)
         out["malformed"] += sum(v for k, v in dropped.items() if k.startswith("malformed"))
         out["outside_window"] += dropped.get("outside_window", 0)
         out["duplicates"] += dropped.get("duplicate", 0) + dropped.get("seen_in_earlier_segment", 0)

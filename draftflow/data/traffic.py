@@ -154,7 +154,17 @@ def _read_file(
             if settings.max_chars is not None and size > settings.max_chars:
                 dropped["too_long"] += 1
                 continue
-            conversation, found = redactor.conversation(conversation)
+            try:
+                conversation, found = redactor.conversation(conversation)
+            except Exception as err:  # a user's redaction callable: the line is dropped, never kept raw
+                dropped["redaction_failed"] += 1
+                if dropped["redaction_failed"] == 1:  # its message may quote the text: not logged
+                    log.warning(
+                        "redaction raised %s on a line of %s: line dropped (counted as redaction_failed)",
+                        type(err).__name__,
+                        path,
+                    )
+                continue
             if found:
                 counts["redacted_conversations"] += 1
                 counts.update({f"redacted:{kind}": n for kind, n in found.items()})

@@ -116,7 +116,7 @@ def build(
     with_last = training.loss == "target_logits"
     warm = _warm_tensors(plan, init_from) if init_from is not None else None
     if warm is not None:
-        vocab = DraftVocab(warm["d2t"], warm["t2d"]) if plan.recipe.drafter.draft_vocab_size else None
+        vocab = _warm_vocab(plan, warm, init_from)
     else:
         vocab = draft_vocab(plan, storage_options=storage_options, write_cache=is_main)
     head = TargetHead.from_pretrained(plan.target_model, vocab) if with_last else None
@@ -147,6 +147,24 @@ def _warm_tensors(plan: Plan, folder: str | Path) -> dict[str, torch.Tensor]:
             f"warm start from {folder}: not a {plan.recipe.drafter.kind} export ({err})"
         ) from err
     return speculators.fill_missing(tensors, config, plan.target_model)
+
+
+def _warm_vocab(plan: Plan, tensors: dict[str, torch.Tensor], folder: str | Path) -> DraftVocab | None:
+    """The warm drafter's draft vocabulary, which must be the size the recipe asks for."""
+    wanted = plan.recipe.drafter.draft_vocab_size
+    d2t = tensors.get("d2t")
+    served = None if d2t is None else int(d2t.numel())
+    if served != wanted:
+
+        def size(n):
+            return "the full vocabulary" if n is None else f"{n} tokens"
+
+        raise WarmStartMismatch(
+            f"warm start from {folder}: its draft vocabulary is {size(served)}, the recipe's "
+            f"drafter.draft_vocab_size asks for {size(wanted)}; train from scratch with "
+            "refresh.warm_start: false"
+        )
+    return None if d2t is None else DraftVocab(d2t, tensors["t2d"])
 
 
 def _load_warm(model: nn.Module, tensors: dict[str, torch.Tensor], folder: str | Path) -> None:

@@ -134,6 +134,24 @@ def test_a_custom_redaction_function_runs_on_every_turn(tmp_path):
     assert counts["redacted:custom"] == 2
 
 
+def test_a_line_the_custom_redaction_fails_on_is_dropped_without_its_text(tmp_path, monkeypatch, caplog):
+    (tmp_path / "scrubbers.py").write_text(
+        "def strict(text):\n"
+        "    if 'SECRET' in text:\n"
+        "        raise ValueError(f'cannot scrub {text!r}')\n"
+        "    return text.lower()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lines = [exchange(T0, "First Question", "A"), exchange(T0, "the SECRET-4242 one", "B")]
+    write_log(tmp_path / "s.jsonl", [*lines, exchange(T0, "Last Question", "C")])
+    settings = TrafficSection(paths=[str(tmp_path / "s.jsonl")], redact_with="scrubbers:strict")
+    conversations, dropped, counts = read(settings, Window(None, T0 + timedelta(1)))
+    assert [c[0]["content"] for c in conversations] == ["first question", "last question"]  # the file goes on
+    assert dropped["redaction_failed"] == 1 and counts["unreadable_files"] == 0
+    assert "ValueError" in caplog.text and "redaction_failed" in caplog.text
+    assert "SECRET-4242" not in caplog.text
+
+
 def test_an_unreadable_file_fails_that_file_not_the_run(tmp_path):
     good = gzip.compress(b"".join(json.dumps(exchange(T0, f"q{i}", "a")).encode() + b"\n" for i in range(3)))
     (tmp_path / "logs").mkdir()

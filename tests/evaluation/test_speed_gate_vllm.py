@@ -3,7 +3,10 @@ one that does not beat train-free n-gram speculation is refused naming both spee
 
 The drafter is a real DFlash export (block 4: 3 drafted tokens per step) whose drafts are never
 accepted: it always proposes " neoliberal" (see known_drafters.py), which the target never writes
-here, so τ = 1.0 and every step pays for the drafter and for verifying 4 tokens instead of 1. The
+here, so τ = 1.0 and every step pays for the drafter and for verifying 4 tokens instead of 1. On
+this host that extra work is small beside one round's timing noise, so whether the measured
+speed-up lands under 1.0 is not asserted; the gate's reasons are checked against whatever was
+measured, and the minimum speed-up is checked at a level a drafter with τ = 1.0 cannot reach. The
 prompts ask the target (SmolLM2, fp32, CPU) to repeat a paragraph word for word, which it does:
 n-gram prompt lookup then drafts whole runs that are accepted.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from known_drafters import dflash_checkpoint
@@ -95,10 +99,10 @@ def test_the_measurement_has_every_side_and_is_lossless(measured):
     }
     assert ngram["outputs_identical"] == len(TEXTS) and ev.vllm.outputs_identical == len(TEXTS)
     assert set(t["prompt_timings"]) == {"drafter", "target", "ngram"}
-    assert t["speedup"] < 1.0 < ngram["speedup"]  # slower than the target; n-gram faster on copying
+    assert ngram["speedup"] > max(1.0, t["speedup"])  # n-gram drafts whole runs of a copied text
 
 
-def test_a_slower_drafter_that_does_not_beat_ngram_is_refused_naming_the_numbers(measured, smollm2_dir):
+def test_a_drafter_that_does_not_beat_ngram_is_refused_naming_the_numbers(measured, smollm2_dir):
     run, drafter, _ = measured
     ev = run.evaluation
     speedup, ngram = ev.speedup, ev.baselines["ngram"]["speedup"]
@@ -108,10 +112,24 @@ def test_a_slower_drafter_that_does_not_beat_ngram_is_refused_naming_the_numbers
     message = str(refused.value)
     assert message.startswith("gate failed: ") and message.endswith("; nothing was pushed")
     assert message == f"gate failed: {'; '.join(ev.gate_failures())}; nothing was pushed"
-    assert re.search(r"speed-up 0\.\d+x over the target is below evaluation\.min_speedup 1\.0+x", message)
-    assert re.search(r"speed-up 0\.\d+x does not beat ngram's \d\.\d+x \(evaluation\.must_beat\)", message)
+    assert re.search(r"speed-up \d\.\d+x does not beat ngram's \d\.\d+x \(evaluation\.must_beat\)", message)
+    # the recipe's default minimum (1.0x) refuses exactly when the measured speed-up is under it
+    assert ("below evaluation.min_speedup 1.0" in message) == (speedup < 1.0)
     assert f"{speedup:.2f}" in message and f"{ngram:.2f}" in message
     assert "τ" not in message  # τ = 1.0 meets this gate's minimum: only the speed refuses it
+
+
+def test_a_drafter_below_the_minimum_speedup_is_refused_naming_both(measured, smollm2_dir):
+    run, drafter, _ = measured
+    ev = replace(run.evaluation, must_beat=[], min_speedup=1.5)  # out of reach with τ = 1.0
+    with pytest.raises(PublishRefused) as refused:
+        check_publishable(drafter, ev, read_target_info(str(smollm2_dir)))
+    named = re.fullmatch(
+        r"gate failed: speed-up (\d\.\d+)x over the target is below evaluation\.min_speedup 1\.50*x; "
+        r"nothing was pushed",
+        str(refused.value),
+    )
+    assert named and float(named[1]) == pytest.approx(ev.speedup, abs=0.005)
 
 
 def test_the_report_carries_the_baseline_and_the_table(measured):
@@ -119,7 +137,8 @@ def test_the_report_carries_the_baseline_and_the_table(measured):
     data = json.loads(open(run.paths["report"]).read())
     assert data["must_beat"] == ["ngram"] and data["min_speedup"] == 1.0 and not data["passed_gate"]
     assert data["vllm"]["throughput"]["baselines"]["ngram"]["speedup"] > 1.0
-    assert len(data["gate_failures"]) == 2
+    assert data["gate_failures"] == run.evaluation.gate_failures()
+    assert len(data["gate_failures"]) == 1 + (run.evaluation.speedup < 1.0)
     summary = open(run.paths["summary"]).read()
     assert (
         "| target alone |" in summary

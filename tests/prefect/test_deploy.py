@@ -63,6 +63,7 @@ def test_deploy_creates_then_updates_a_scheduled_deployment(prefect_server, tmp_
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in deployment.schedules] == [
         ("0 2 * * *", "UTC", True)
     ]
+    assert deployment.global_concurrency_limit is None  # no traffic windows: runs may overlap
 
     assert (
         cli_main(
@@ -154,6 +155,9 @@ def test_the_shipped_refresh_recipe_deploys_with_its_cron_schedule(prefect_serve
     deployment, _ = read_deployment(f"draftflow-pipeline/{name}")
     assert deployment.parameters == {"recipe": str(recipe), "overrides": []}
     assert [(s.schedule.cron, s.active) for s in deployment.schedules] == [(cron, True)]
+    # one run at a time: a run due while one is running waits (windows follow each other)
+    assert deployment.global_concurrency_limit.limit == 1
+    assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
     plan = Plan.load(str(recipe), segment="new")  # what its first run reads
     assert plan.recipe.data.traffic is not None and plan.window is not None
 

@@ -35,6 +35,7 @@ def raced(report: Path, *, tau: float, speedup: float, champion: dict | None) ->
         **({"champion": champion} if champion else {}),
     }
     data["champion_margins"] = MARGINS
+    data["meta"]["champion"] = champion["version"] if champion else None
     report.write_text(json.dumps(data))
     return report
 
@@ -50,6 +51,13 @@ def champion_of(version: str, tau: float, speedup: float) -> dict:
         "outputs_identical": 4,
         "prompts": 4,
     }
+
+
+def in_service(checkpoint, tmp_path: Path):
+    """A destination with checkpoint 1 published (nothing was in service: the usual gate)."""
+    url = str(tmp_path / "dest")
+    destination = Destination.parse(url)
+    return url, destination, publish(*checkpoint(1), destination)
 
 
 def test_a_challenger_that_does_not_win_is_refused_and_the_champion_kept(checkpoint, tmp_path):
@@ -103,3 +111,43 @@ def test_a_first_refresh_that_fails_the_usual_gate_raises_and_is_recorded(checkp
     (line,) = Releases(url, RECIPE).history()
     assert line["event"] == "refused" and line["previous"] is None and "champion" not in line["details"]
     assert Releases(url, RECIPE).pointer() is None
+
+
+def test_a_report_raced_beside_another_drafter_than_the_one_in_service_is_refused(checkpoint, tmp_path):
+    url = str(tmp_path / "dest")
+    destination = Destination.parse(url)
+    first = publish(*checkpoint(1), destination)
+    second = publish(*checkpoint(2), destination)  # a concurrent publish moved the pointer since
+    pointer = (Path(url) / f"{RECIPE}.current.json").read_bytes()
+    history = Releases(url, RECIPE).history()
+    stale = champion_of(first.version, tau=1.2, speedup=1.0)
+    for champion, measured in ((stale, f"beside {first.version}"), (None, "without the drafter in service")):
+        folder, report = checkpoint(3)
+        with pytest.raises(PublishRefused) as refused:
+            publish(folder, raced(report, tau=1.9, speedup=1.5, champion=champion), destination)
+        message = str(refused.value)
+        assert f"in service at {url} is {second.version}" in message and measured in message
+        assert message.endswith(
+            "draftflow evaluate --champion) so it races the current one; nothing was pushed"
+        )
+        assert (Path(url) / f"{RECIPE}.current.json").read_bytes() == pointer
+        assert Releases(url, RECIPE).history() == history  # no line: nothing was decided
+
+
+def test_a_refresh_refused_for_other_bytes_raises_instead_of_keeping_the_champion(checkpoint, tmp_path):
+    url, destination, first = in_service(checkpoint, tmp_path)
+    folder, report = checkpoint(2)
+    raced(report, tau=1.0, speedup=0.9, champion=champion_of(first.version, tau=1.8, speedup=1.2))
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")  # not what was measured
+    with pytest.raises(PublishRefused, match="the report measured other bytes"):
+        publish(folder, report, destination)
+    assert [line["event"] for line in Releases(url, RECIPE).history()] == ["published"]
+
+
+def test_publishing_the_same_refused_report_again_adds_no_history_line(checkpoint, tmp_path):
+    url, destination, first = in_service(checkpoint, tmp_path)
+    folder, report = checkpoint(2)
+    raced(report, tau=1.8, speedup=1.2, champion=champion_of(first.version, tau=1.8, speedup=1.2))
+    for _ in range(2):
+        assert publish(folder, report, destination, history=SEGMENT).kept == first.version
+    assert [line["event"] for line in Releases(url, RECIPE).history()] == ["published", "refused"]

@@ -40,6 +40,10 @@ def test_a_drafter_of_another_shape_is_refused_naming_the_way_out(train_dir, tmp
     wider = Plan.load(str(train_dir / "recipe.yaml"), ["drafter.num_layers=2"])
     with pytest.raises(drafter.WarmStartMismatch, match="not the shape .* refresh.warm_start: false"):
         drafter.build(wider, init_from=folder)
+    for size in ("1024", "null"):
+        other = Plan.load(str(train_dir / "recipe.yaml"), [f"drafter.draft_vocab_size={size}"])
+        with pytest.raises(drafter.WarmStartMismatch, match="draft vocabulary is 2048 tokens, the recipe"):
+            drafter.build(other, init_from=folder)
     with pytest.raises(drafter.WarmStartMismatch, match="not a dflash export"):
         drafter.build(plan, init_from=tmp_path)
 
