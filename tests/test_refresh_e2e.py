@@ -26,12 +26,21 @@ from prefect.client.orchestration import get_client
 from draftflow.data.prepare import sample_id
 from draftflow.data.segments import list_segments
 from draftflow.data.sources import load_source
+from draftflow.paths import DataLayout
 from draftflow.recipe.schema import DataSource
 from draftflow.releases import Releases
+from draftflow.store.backend import Store
+from draftflow.store.manifest import read_manifest
 from draftflow.vllm.launch import free_port
 
 pytestmark = pytest.mark.slow
 SECRETS = ("dana.ops@example.net", "hf_PLANTEDtoken0123456789abcdefghijkl")
+
+
+def manifest_ids(store: str, fingerprint: str) -> set[str]:
+    """The sample ids a segment's extracted shards hold."""
+    layout = DataLayout.for_recipe(store, "refresh-e2e", fingerprint)
+    return set(read_manifest(Store(layout))["sample_id"].to_pylist())
 
 
 def log_window(path: Path, conversations: list, at: datetime) -> None:
@@ -127,6 +136,12 @@ def test_three_refresh_windows_then_a_rollback_that_vllm_serves(
     assert second.warm_start.rstrip("/").endswith(f"refresh-e2e-{v1}")
     segments = list_segments(str(tmp_path / "store"), "refresh-e2e")
     assert len(segments) == 2 and segments[0]["counts"]["kept"] == kept
+    # Window 2 read and prepared its own 40 conversations and extracted their train samples (4 of
+    # them held out), none of window 1's.
+    store = str(tmp_path / "store")
+    ids = [manifest_ids(store, segment["fingerprint"]) for segment in segments]
+    assert segments[1]["counts"]["lines"] == 40 and 36 <= segments[1]["counts"]["kept"] <= 40
+    assert len(ids[1]) == segments[1]["counts"]["kept"] - 4 and not ids[0] & ids[1]
     assert second.replayed_samples == (kept - 4) // 2  # half of window 1's train samples
     line = releases.history()[-1]
     assert line["event"] == "published" and line["details"]["champion"]["version"] == v1

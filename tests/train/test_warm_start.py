@@ -14,8 +14,8 @@ from draftflow.train.__main__ import warm_schedule
 from draftflow.train.replay import replayed
 
 
-def test_a_warm_start_begins_from_the_exported_weights_and_vocabulary(train_dir, tmp_path):
-    plan = Plan.load(str(train_dir / "recipe.yaml"))
+def test_a_warm_start_begins_from_the_exported_weights_and_vocabulary(prepared_dir, tmp_path):
+    plan = Plan.load(str(prepared_dir / "recipe.yaml"))
     served = drafter.build(plan)
     torch.manual_seed(7)
     with torch.no_grad():  # as if trained: no fresh build has these weights
@@ -34,22 +34,22 @@ def test_a_warm_start_begins_from_the_exported_weights_and_vocabulary(train_dir,
     assert torch.equal(warm.vocab.d2t, served.vocab.d2t) and torch.equal(warm.vocab.t2d, served.vocab.t2d)
 
 
-def test_a_drafter_of_another_shape_is_refused_naming_the_way_out(train_dir, tmp_path):
-    plan = Plan.load(str(train_dir / "recipe.yaml"))
+def test_a_drafter_of_another_shape_is_refused_naming_the_way_out(prepared_dir, tmp_path):
+    plan = Plan.load(str(prepared_dir / "recipe.yaml"))
     folder = drafter.export(drafter.build(plan), plan, tmp_path / "in-service")
-    wider = Plan.load(str(train_dir / "recipe.yaml"), ["drafter.num_layers=2"])
+    wider = Plan.load(str(prepared_dir / "recipe.yaml"), ["drafter.num_layers=2"])
     with pytest.raises(drafter.WarmStartMismatch, match="not the shape .* refresh.warm_start: false"):
         drafter.build(wider, init_from=folder)
     for size in ("1024", "null"):
-        other = Plan.load(str(train_dir / "recipe.yaml"), [f"drafter.draft_vocab_size={size}"])
+        other = Plan.load(str(prepared_dir / "recipe.yaml"), [f"drafter.draft_vocab_size={size}"])
         with pytest.raises(drafter.WarmStartMismatch, match="draft vocabulary is 2048 tokens, the recipe"):
             drafter.build(other, init_from=folder)
     with pytest.raises(drafter.WarmStartMismatch, match="not a dflash export"):
         drafter.build(plan, init_from=tmp_path)
 
 
-def test_a_warm_started_run_trains_for_the_refresh_epochs(train_dir, tmp_path):
-    plan = Plan.load(str(train_dir / "recipe.yaml"))
+def test_a_warm_started_run_trains_for_the_refresh_epochs(prepared_dir, tmp_path):
+    plan = Plan.load(str(prepared_dir / "recipe.yaml"))
     refresh = dataclasses.replace(plan, recipe=plan.recipe.model_copy(update={"refresh": None}))
     assert warm_schedule(refresh).recipe.training.epochs == plan.recipe.training.epochs
     from draftflow.recipe.refresh_section import RefreshSection
