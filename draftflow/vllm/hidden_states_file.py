@@ -38,8 +38,9 @@ _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 def is_writer_temp(folder: str, name: str) -> bool:
     """Whether ``name`` in ``folder`` is an interrupted safetensors write: the temporary name, a
-    regular file, and empty or beginning as a safetensors file does (an 8-byte header length, then
-    the JSON header's ``{``)."""
+    regular file, and empty, or sized but not yet written (safetensors sets the final length before
+    it writes: zeros), or beginning as a safetensors file does (an 8-byte header length, then the
+    JSON header's ``{``)."""
     if not WRITER_TEMP_NAME.fullmatch(name):
         return False
     try:
@@ -52,7 +53,7 @@ def is_writer_temp(folder: str, name: str) -> bool:
         head = os.read(fd, 9)
     finally:
         os.close(fd)
-    if not head:
+    if not head or head == bytes(len(head)):
         return True
     return len(head) == 9 and 2 <= int.from_bytes(head[:8], "little") <= _MAX_HEADER and head[8:] == b"{"
 

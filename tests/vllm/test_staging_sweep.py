@@ -204,6 +204,75 @@ def test_a_write_killed_midway_leaves_a_temp_file_the_sweep_removes(tmp_path: Pa
     assert list(staging.iterdir()) == []
 
 
+# Preloaded into the real writer: its first write() to a `.tmp*` file marks HOLD_MARKER and waits,
+# so the process is held after safetensors sized its temporary file (ftruncate) and before any
+# byte of it is written, the instant a kill must not leave the staging folder unusable.
+HOLD_FIRST_TEMP_WRITE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+ssize_t write(int fd, const void *buf, size_t count) {
+    static ssize_t (*real_write)(int, const void *, size_t);
+    if (!real_write) real_write = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    char link[64], path[4096];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t len = readlink(link, path, sizeof path - 1);
+    if (len > 0) {
+        path[len] = 0;
+        const char *base = strrchr(path, '/');
+        if (base && strncmp(base + 1, ".tmp", 4) == 0) {
+            const char *marker = getenv("HOLD_MARKER");
+            if (marker) close(open(marker, O_CREAT | O_WRONLY, 0600));
+            for (;;) pause();
+        }
+    }
+    return real_write(fd, buf, count);
+}
+"""
+
+
+def test_a_write_killed_after_sizing_its_temp_file_leaves_zeros_the_sweep_removes(tmp_path: Path):
+    """safetensors 0.8 sizes its temporary file (ftruncate to the final length) and then writes it:
+    a server killed between the two leaves a `.tmpXXXXXX` of zeros. The CLI kill test met it
+    (ForeignStagingFolder on the next run); the sweep treats it as the connector's write too."""
+    import shutil
+    import subprocess
+    import sys
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "this test builds a small preload library: install a C compiler (gcc)"
+    source, library = tmp_path / "hold.c", tmp_path / "hold.so"
+    source.write_text(HOLD_FIRST_TEMP_WRITE)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source), "-ldl"], check=True)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    marker = tmp_path / "held"
+    env = {**os.environ, "LD_PRELOAD": str(library), "HOLD_MARKER": str(marker)}
+    name = "cmpl-sample-000007-0-0badf00d.safetensors"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(staging / name)], env=env)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert writer.poll() is None and time.monotonic() < deadline, "the writer never reached its write"
+        time.sleep(0.01)
+    writer.kill()
+    writer.wait()
+    (temp,) = staging.iterdir()
+    assert temp.name.startswith(".tmp") and temp.stat().st_size > 96 * 1024 * 1024 * 4
+    with temp.open("rb") as f:
+        assert f.read(1 << 16) == bytes(1 << 16)  # sized, nothing written
+
+    assert sweep_stale(str(staging), older_than_s=600) == 0  # young: maybe a write in progress
+    assert list(staging.iterdir()) == [temp]
+    age(staging)
+    assert sweep_stale(str(staging), older_than_s=600) == 1
+    assert list(staging.iterdir()) == []
+
+
 def test_a_temp_named_file_that_is_not_a_safetensors_write_is_foreign(tmp_path: Path):
     staging = tmp_path / "staging"
     staging.mkdir()
