@@ -35,8 +35,8 @@ def server_kind(argv: list[str]) -> str | None:
     if module == "draftflow.vllm.watchdog":
         return None
     if "prefect.server.api.server" in joined or (
-        "server" in args and "start" in args and "prefect" in joined
-    ):
+        "server" in args and "start" in args and "prefect" in joined and "--help" not in args
+    ):  # `prefect server start --help` (the docs' command check) prints usage only
         return "Prefect server"
     if "moto_server" in names or module == "moto.server":
         return "S3"

@@ -19,8 +19,8 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 COMMAND = re.compile(r"^(?:\$\s+)?(?:\S*/)?draftflow\s")
 
 
-def commands(page: Path) -> list[tuple[int, str]]:
-    """(line number, command) of each draftflow command in the page's shell code blocks."""
+def commands(page: Path, prefix: re.Pattern = COMMAND) -> list[tuple[int, str]]:
+    """(line number, command) of each command (default: draftflow's) in the page's shell code blocks."""
     found, open_fence, pending, start = [], None, "", 0
     for number, line in enumerate(page.read_text().splitlines(), 1):
         fence = FENCE.match(line.strip())
@@ -32,7 +32,7 @@ def commands(page: Path) -> list[tuple[int, str]]:
         text = line.strip()
         if pending:
             pending += " " + text.rstrip("\\").strip()
-        elif COMMAND.match(text):
+        elif prefix.match(text):
             pending, start = text.rstrip("\\").strip(), number
         if pending and not text.endswith("\\"):
             found.append((start, pending))

@@ -49,6 +49,11 @@ def test_recipe_headers_are_short_and_carry_no_measurement_history():
         text = "\n".join(header)
         assert not re.search(r"20\d\d-\d\d-\d\d", text), f"{path}: a date in the header"
         assert not re.search(r"\bhosts? [A-C]\b", text), f"{path}: a host name in the header"
+        # below the header, a comment says why a value was chosen; the figures behind it live on
+        # the benchmarks page (a decimal reading such as "τ 1.364" or "1.3x" does not belong here)
+        for number, line in enumerate(lines[len(header) :], len(header) + 1):
+            comment = line.partition("#")[2]
+            assert not re.search(r"\d\.\d", comment), f"{path}:{number}: a figure in `{comment}`"
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,7 @@ def test_budget_fails_a_slow_fast_test_and_an_unexplained_long_one(tmp_path):
             None,
         ),
         (["/v/bin/prefect", "server", "start", "--port", "1"], "Prefect server"),
+        (["/v/bin/prefect", "server", "start", "--help"], None),  # usage only: the docs' command check
         (
             ["/v/bin/python", "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"],
             "Prefect server",
