@@ -11,7 +11,8 @@ same request), waits for the pipeline to finish, and photographs with headless C
 ``chromium`` package: ``apt-get install chromium``): the failed flow run, the same run retried and
 completed, its shard table and its acceptance report; and it copies the acceptance and training
 charts the run drew. Wall time: the demo's, about 15 min on a
-2-core CPU. Everything it started is stopped at the end; --work is left for inspection.
+2-core CPU. It stops the server and the worker it started (the flow run stops the vLLM server it
+launched, as every run does); --work is left for inspection and removed by the next run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ DEPLOYMENT = "docs-screenshots"
 FAILING_SHARD = "000003"
 RETRY_STATE = {"type": "SCHEDULED", "name": "AwaitingRetry", "message": "Retry from the UI"}
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+MARKER = ".draftflow-screenshots"  # in --work: the folder is this script's to remove
 CHROMIUM_FLAGS = [  # headless on a closed network: no background connections, no sandbox as root
     "--headless",
     "--no-sandbox",
@@ -127,10 +129,15 @@ def main() -> int:
     chromium = shutil.which("chromium")
     if chromium is None:
         sys.exit("no chromium on PATH: apt-get install chromium")
+    if args.work.is_symlink():
+        sys.exit(f"--work {args.work} is a symbolic link: give a folder of its own")
     work = args.work.resolve()
-    if work.exists():
-        shutil.rmtree(work)  # the folder this script made last time (store, runs, Prefect home)
+    if work.exists():  # remove only what this script made last time (store, runs, Prefect home)
+        if not (work / MARKER).is_file() and any(work.iterdir()):
+            sys.exit(f"--work {work} holds files this script did not write: give an empty or new folder")
+        shutil.rmtree(work)
     work.mkdir(parents=True)
+    (work / MARKER).write_text("made by scripts/screenshots.py; removed by its next run\n")
     args.out.mkdir(parents=True, exist_ok=True)
 
     port = free_port()
@@ -181,9 +188,15 @@ def main() -> int:
             work,
         )
 
-        httpx.post(
-            f"{api}/flow_runs/{run_id}/set_state", json={"state": RETRY_STATE, "force": True}, timeout=30
+        answer = (
+            httpx.post(
+                f"{api}/flow_runs/{run_id}/set_state", json={"state": RETRY_STATE, "force": True}, timeout=30
+            )
+            .raise_for_status()
+            .json()
         )
+        if answer.get("status") != "ACCEPT":
+            sys.exit(f"the server did not accept Retry: {answer}")
         again = wait_final(api, run_id, worker, after_run_count=first["run_count"])
         if again["state"]["type"] != "COMPLETED":
             sys.exit(f"the retry ended {again['state']}; see {work / 'worker.log'}")

@@ -7,6 +7,7 @@ terminal."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -118,7 +119,10 @@ def test_every_documented_prefect_command_exists_with_its_flags():
         words = [w for w in argv if not w.startswith("-")]
         key = tuple(words[:2])
         if key not in seen:
-            done = subprocess.run([prefect, *key, "--help"], capture_output=True, text=True, timeout=60)
+            wide = {**os.environ, "COLUMNS": "300", "NO_COLOR": "1"}  # no option name folded
+            done = subprocess.run(
+                [prefect, *key, "--help"], capture_output=True, text=True, timeout=60, env=wide
+            )
             seen[key] = done.returncode, done.stdout
         code, help_text = seen[key]
         if code != 0:

@@ -1,4 +1,5 @@
-"""Test-only fault injection for extraction; never set these variables outside tests.
+"""Fault injection for extraction, for tests (and the docs' screenshot script, which shows a
+failed shard retried); never set these variables on a real run.
 
 :data:`FAULT_SHARDS_ENV` (``DRAFTFLOW_TEST_FAIL_SHARDS``) lists shard ids, e.g.
 ``000001,000003``: :func:`draftflow.extraction.extract_shard` of those shards raises

@@ -53,7 +53,7 @@ def is_writer_temp(folder: str, name: str) -> bool:
         head = os.read(fd, 9)
     finally:
         os.close(fd)
-    if not head or head == bytes(len(head)):
+    if not head or head == bytes(9):  # a sized temp file is at least a header length and `{}` long
         return True
     return len(head) == 9 and 2 <= int.from_bytes(head[:8], "little") <= _MAX_HEADER and head[8:] == b"{"
 

@@ -254,10 +254,16 @@ def test_a_write_killed_after_sizing_its_temp_file_leaves_zeros_the_sweep_remove
     marker = tmp_path / "held"
     env = {**os.environ, "LD_PRELOAD": str(library), "HOLD_MARKER": str(marker)}
     name = "cmpl-sample-000007-0-0badf00d.safetensors"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(staging / name)], env=env)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(staging / name)], env=env, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
     while not marker.exists():
-        assert writer.poll() is None and time.monotonic() < deadline, "the writer never reached its write"
+        if writer.poll() is not None or time.monotonic() > deadline:
+            writer.kill()
+            pytest.fail(
+                f"the writer was not held at its write (preload ignored?): {writer.communicate()[1][-2000:]}"
+            )
         time.sleep(0.01)
     writer.kill()
     writer.wait()
