@@ -170,8 +170,8 @@ def vllm_servers(vllm_python: str, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _own_server(request):
-    """`@pytest.mark.own_server`: the test kills or breaks its server, so it starts from a fresh
-    one and the pool drops it afterwards."""
+    """`@pytest.mark.own_server`: the test kills or breaks its server, or launches one itself (the
+    CPU host lock allows one), so the pool's is stopped first and dropped afterwards."""
     if request.node.get_closest_marker("own_server") is None:
         yield
         return
@@ -199,6 +199,13 @@ def extraction_server(vllm_servers, smollm2_dir: Path, staging_dir: Path):
     )
 
 
+@pytest.fixture(scope="module")
+def plain_server(vllm_servers, smollm2_dir: Path):
+    """SmolLM2 (fp32, CPU) served without extraction, as a serving deployment would be: the pool's,
+    shared by every module that asks for it."""
+    return vllm_servers.get(smollm2_dir)
+
+
 @pytest.fixture
 def extraction_endpoint(extraction_server) -> str:
     return extraction_server.url
@@ -207,21 +214,23 @@ def extraction_endpoint(extraction_server) -> str:
 # Modules that use the same pooled server run back to back (fewest start-ups); within a module
 # the order is the file's. Whole modules move, so module-scoped fixtures are set up once. Modules
 # on `prefect_harness` run after those on `prefect_server`: once entered, the harness points this
-# process's Prefect client at itself for the rest of the session.
-SERVER_GROUPS = {"extraction_server": 1}
+# process's Prefect client at itself for the rest of the session. A module with an `own_server`
+# test runs last among those sharing its server, which that test stops.
+SERVER_GROUPS = {"extraction_server": 1, "plain_server": 2}
 
 
 def pytest_collection_modifyitems(config, items):
     first_seen: dict[str, int] = {}
-    key_of: dict[str, tuple[bool, bool, int]] = {}
+    key_of: dict[str, tuple[bool, bool, int, bool]] = {}
     for index, item in enumerate(items):
         module = item.nodeid.split("::")[0]
         first_seen.setdefault(module, index)
         slow = item.get_closest_marker("slow") is not None
         harness = "prefect_harness" in item.fixturenames
         group = min((g for name, g in SERVER_GROUPS.items() if name in item.fixturenames), default=9)
-        was_slow, had_harness, was_group = key_of.get(module, (False, False, 9))
-        key_of[module] = (was_slow or slow, had_harness or harness, min(was_group, group))
+        own = item.get_closest_marker("own_server") is not None  # stops the shared server: last in its group
+        was_slow, had_harness, was_group, had_own = key_of.get(module, (False, False, 9, False))
+        key_of[module] = (was_slow or slow, had_harness or harness, min(was_group, group), had_own or own)
     items.sort(key=lambda item: (*key_of[m := item.nodeid.split("::")[0]], first_seen[m]))
 
 

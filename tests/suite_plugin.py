@@ -147,7 +147,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "own_server: the test kills or breaks its vLLM server: a private one")
+    config.addinivalue_line(
+        "markers",
+        "own_server: the test kills or breaks its vLLM server, or launches its own: the pool's is stopped first",
+    )
     config.addinivalue_line("markers", "slow_ok(reason): a test allowed over the 120 s budget, and why")
     _watch_popen()
     _watch_moto()

@@ -1,8 +1,7 @@
-"""The test stack itself is real: vLLM serves SmolLM2, S3 speaks HTTP, Prefect runs flows."""
+"""The test stack itself is real: SmolLM2 is a pretrained model, S3 speaks HTTP, Prefect runs flows
+(vLLM serving SmolLM2: tests/vllm/test_server_checks_real.py, beside the other plain-server tests)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import httpx
 import pytest
@@ -10,24 +9,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def test_vllm_fixture_is_the_real_server_serving_smollm2(vllm_servers, smollm2_dir):
-    server = vllm_servers.get(smollm2_dir)
-    assert server.pid and server.proc.poll() is None
-    version = httpx.get(f"{server.url}/version", timeout=10).json()["version"]
-    assert version.startswith("0.32")
-    models = [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]]
-    assert models == [str(smollm2_dir)]
-    reply = httpx.post(
-        f"{server.url}/v1/chat/completions",
-        json={"model": models[0], "messages": QUESTION, "max_tokens": 16, "temperature": 0},
-        timeout=60,
-    ).json()
-    assert "Paris" in reply["choices"][0]["message"]["content"]
-    # cpu_reserved_cores: 0 (the CPU recipes' setting) leaves no core out of vLLM's compute threads
-    log = Path(server.spec.log_path).read_text()
-    assert "reserve_cpu_num=0" in log and "reserved_cpus=[]" in log, log[-3000:]
 
 
 def test_smollm2_target_is_a_real_pretrained_model(smollm2_dir):

@@ -171,6 +171,9 @@ class ServerStartError(RuntimeError):
 # answers (LaunchServerFactory(side_by_side=True): interleaved speed rounds): with the pinned vLLM
 # build, a server started beside one that already answers came up in every trial.
 CPU_HOST_LOCK = Path(tempfile.gettempdir()) / "draftflow-vllm-cpu-host.lock"
+# A refused /health costs a millisecond; polling often takes the tail off every start (a server
+# is up on average half a poll interval before we look).
+HEALTH_POLL_S = 0.2
 
 
 def wait_for_host_lock(path: Path, timeout_s: float):
@@ -314,7 +317,7 @@ class ServerProcess:
                         foreign = True
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(HEALTH_POLL_S)
         self.stop()
         raise ServerStartError(
             f"{self._foreign_note() if foreign else ''}vLLM not healthy after {timeout_s:.0f}s; "

@@ -38,11 +38,6 @@ GENERATION = {
 }
 
 
-@pytest.fixture(scope="module")
-def plain_server(vllm_servers, smollm2_dir):
-    return vllm_servers.get(smollm2_dir, max_model_len=1024)
-
-
 def write_recipe(folder: Path, model: Path, endpoint: str, **generation) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     recipe = {
@@ -200,12 +195,12 @@ def test_target_that_writes_nothing_usable_stops_with_a_clear_error(plain_server
 
 
 @pytest.mark.slow
+@pytest.mark.own_server  # the launch below takes the CPU host lock the shared server holds
 def test_generation_server_launched_for_an_fp8_store_computes_in_a_dtype_vllm_serves(
-    vllm_servers, vllm_python, smollm2_dir, tmp_path
+    vllm_python, smollm2_dir, tmp_path
 ):
     """An FP8 store's server computes in bfloat16 (FP8 is how states are stored, not a dtype vLLM
     runs in): the plain generation server the preparation launches must be told the same."""
-    vllm_servers.stop()  # the launch below takes the CPU host lock the shared server holds
     port = free_port()
     recipe = yaml.safe_load(
         Path(write_recipe(tmp_path, smollm2_dir, f"http://127.0.0.1:{port}", num_prompts=3)).read_text()
