@@ -50,11 +50,6 @@ ALL_SHIPPED = ["qwen3-8b-dflash", "llama-3.1-8b-eagle3", "gemma-4-31b-dflash"]
 # (tests/train/test_trainer.py), offline extraction through the flow (tests/prefect), gemma's two
 # nodes (tests/train/test_multinode.py).
 SHIPPED = ALL_SHIPPED if os.environ.get("DRAFTFLOW_SHIPPED_RECIPES") == "all" else ALL_SHIPPED[:1]
-# The suite runs one recipe per drafter kind (DFlash in hybrid mode, Eagle3 offline); `make
-# test-recipes` (DRAFTFLOW_SHIPPED_RECIPES=all) runs every one. Each is validated by the fast tests
-# (tests/test_recipes.py) either way; gemma's two nodes are trained for real in
-# tests/train/test_multinode.py.
-SHIPPED = ALL_SHIPPED if os.environ.get("DRAFTFLOW_SHIPPED_RECIPES") == "all" else ALL_SHIPPED[:2]
 
 
 def cpu_overrides(recipe: dict, target: Path, port: int) -> list[str]:
