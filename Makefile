@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTEST_ARGS ?=
 DEMO_RECIPE ?= recipes/smollm2-135m-dflash-cpu-demo.yaml
 
-.PHONY: bootstrap demo lint docs docs-build test test-fast test-faults test-recipes bench bench-quality
+.PHONY: bootstrap demo lint docs docs-build test test-fast test-faults test-recipes bench bench-quality bench-race
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -61,3 +61,12 @@ bench: bootstrap
 # runs the demo recipe instead, and the same budget on chitchat/chatterbot data beside it.
 bench-quality: bootstrap
 	.venv/bin/python bench/quality.py --speed-rounds 3 $(if $(ABLATION),--recipe recipes/smollm2-135m-dflash-cpu-demo.yaml --ablation)
+
+# What users would otherwise pick: the target alone, vLLM's n-gram (tuned on draftflow-tune) and
+# suffix decoding, the quality and demo recipes' drafters, on every draftflow-eval prompt, at batch 1
+# and 4 requests at once, 3 interleaved rounds (docs/benchmarks.md). Trains both drafters first;
+# DRAFTERS="--drafter quality=RUN/export ..." races exports already trained.
+bench-race:
+	@scripts/bootstrap.sh --with-suffix
+	.venv/bin/python bench/race.py $(DRAFTERS)
+

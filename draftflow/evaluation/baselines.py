@@ -57,9 +57,9 @@ def check_available(names: Sequence[str], python: str, env: Mapping[str, str] | 
         if not _importable(python, module, dict(env or {})):
             raise BaselineUnavailable(
                 f"evaluation.must_beat: {name} needs the {module} package in the vLLM virtualenv "
-                f"({python}), and it is not importable there: install it with `uv pip install "
-                f"--python {python} {package}` (the version your vLLM's docs name), or drop {name} "
-                "from evaluation.must_beat"
+                f"({python}), and it is not importable there: `scripts/bootstrap.sh --with-suffix` "
+                f"builds it into draftflow's vLLM virtualenv (elsewhere: `pip install {package}` "
+                f"into the virtualenv that runs vLLM), or drop {name} from evaluation.must_beat"
             )
 
 

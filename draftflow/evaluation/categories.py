@@ -1,11 +1,15 @@
 """The project's own evaluation prompt set, and acceptance per prompt category.
 
-``draftflow-eval`` (``draftflow/evaluation/prompt_sets/draftflow-eval.jsonl``): 65 single-turn
-prompts written for this project (not taken from any dataset), 13 in each of five
-categories: chat, how-to, coding, maths-reasoning, writing-summarisation. No data source
-reads it, so it is never trained on (a test checks it shares no prompt with the training
-sources). A recipe selects it with ``evaluation.prompt_set: draftflow-eval``;
+``draftflow-eval`` (``draftflow/evaluation/prompt_sets/draftflow-eval.jsonl``): 78 single-turn
+prompts written for this project (not taken from any dataset), 13 in each of six
+categories: chat, how-to, coding, maths-reasoning, writing-summarisation and copy-heavy (the
+prompt holds a text or code the answer copies with edits: where prompt-lookup speculation is
+strong). No data source reads it, so it is never trained on (a test checks it shares no prompt
+with the training sources). A recipe selects it with ``evaluation.prompt_set: draftflow-eval``;
 ``evaluation.prompts_per_category`` takes the first N of each category (a fast sample).
+
+``draftflow-tune``: 12 more prompts, two per category, for tuning what is measured on
+``draftflow-eval`` (``bench/race.py`` picks the n-gram settings on it), never on it.
 
 τ per category pools the drafts of the category's prompts exactly as the overall τ pools
 all of them (1 + accepted / drafts), from the per-prompt counts of the offline and the vLLM
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from draftflow.paths import prompt_set_file
 
-PROMPT_SETS = ("draftflow-eval",)
+PROMPT_SETS = ("draftflow-eval", "draftflow-tune")
 
 
 @dataclass(frozen=True)

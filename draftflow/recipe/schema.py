@@ -356,7 +356,7 @@ class EvaluationSection(Section):
     prompt_set: Literal["held_out", "draftflow-eval"] = Field(
         "held_out",
         description="held_out: the first `num_prompts` of the data's eval split; draftflow-eval: "
-        "the project's own 65 prompts in 5 categories (never trained on), τ reported per category.",
+        "the project's own 78 prompts in 6 categories (never trained on), τ reported per category.",
     )
     prompts_per_category: int | None = Field(
         None,

@@ -18,13 +18,13 @@ from draftflow.plan import Plan
 from draftflow.recipe.catalog import resolve
 from draftflow.recipe.schema import DataSource
 
-CATEGORIES = {"chat", "how-to", "coding", "maths-reasoning", "writing-summarisation"}
+CATEGORIES = {"chat", "how-to", "coding", "maths-reasoning", "writing-summarisation", "copy-heavy"}
 
 
-def test_the_set_has_at_least_60_distinct_prompts_in_5_categories():
+def test_the_set_has_78_distinct_prompts_in_6_categories_and_a_separate_tuning_split():
     prompts = categories.load_prompt_set("draftflow-eval")
     counts = Counter(p.category for p in prompts)
-    assert len(prompts) >= 60 and set(counts) == CATEGORIES and min(counts.values()) >= 12
+    assert len(prompts) == 78 and counts == {c: 13 for c in CATEGORIES}
     assert len({p.prompt_id for p in prompts}) == len(prompts)
     assert len({categories.normalise(p.text) for p in prompts}) == len(prompts)
     sample = categories.load_prompt_set("draftflow-eval", per_category=2)
@@ -34,6 +34,13 @@ def test_the_set_has_at_least_60_distinct_prompts_in_5_categories():
     ][:2]
     with pytest.raises(ValueError, match="evaluation.prompt_set"):
         categories.load_prompt_set("nope")
+    # the tuning split: every category, and no prompt of the measured set, not even nearly
+    tune = categories.load_prompt_set("draftflow-tune")
+    assert Counter(p.category for p in tune) == {c: 2 for c in CATEGORIES}
+    assert not {p.prompt_id for p in tune} & {p.prompt_id for p in prompts}
+    assert not set().union(*(_shingles(p.text, 6) for p in tune)) & set().union(
+        *(_shingles(p.text, 6) for p in prompts)
+    )
 
 
 def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
@@ -46,7 +53,7 @@ def test_no_eval_prompt_appears_in_the_training_sources():
     """Every conversation the pip-shipped sources hold (a superset of any prepared training set drawn
     from them), and the demo recipe's selected training conversations: no eval prompt equal after
     normalisation, and no 8-word run shared with any turn."""
-    eval_prompts = categories.load_prompt_set("draftflow-eval")
+    eval_prompts = categories.load_prompt_set("draftflow-eval") + categories.load_prompt_set("draftflow-tune")
     eval_norm = {categories.normalise(p.text) for p in eval_prompts}
     eval_shingles = set().union(*(_shingles(p.text) for p in eval_prompts))
     turns = []
