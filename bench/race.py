@@ -329,8 +329,11 @@ def main() -> None:
     try:
         check_available([SUFFIX], expand(launch.python), launch.env)
         sides.append(Side(SUFFIX, target, SUFFIX_CONFIG, "vLLM defaults"))
-    except BaselineUnavailable as err:
-        unavailable[SUFFIX] = str(err).split(": ", 1)[-1]
+    except BaselineUnavailable:
+        unavailable[SUFFIX] = (
+            f"arctic_inference is not importable by {expand(launch.python)} "
+            "(`scripts/bootstrap.sh --with-suffix` builds it there)"
+        )
     for name, export, k in drafters:
         served = k or checkpoint_info(export)["speculative_tokens"]
         sides.append(Side(name, export, {"num_speculative_tokens": served}, f"k={served}"))
