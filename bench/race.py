@@ -125,6 +125,7 @@ def race(factory, sides: list[Side], passes: dict[str, list[Group]], max_new_tok
     suffix decoding in its response tree), each group decoded on every side back to back, the order
     rotating by group and round."""
     names = [s.name for s in sides]
+    scraped = {s.name for s in sides if s.config is not None}  # the target alone has no counters
     out = {p: {n: [] for n in names} for p in passes}
     for r in range(rounds):
         for label, groups in passes.items():
@@ -135,8 +136,9 @@ def race(factory, sides: list[Side], passes: dict[str, list[Group]], max_new_tok
                 for g, group in enumerate(groups):
                     for n in rotated_order(names, 1, first_round=r + g):
                         time.sleep(PAUSE_S)
-                        scrape = next(s for s in sides if s.name == n).config is not None
-                        out[label][n][-1].append(decode_group(servers[n], group, max_new_tokens, scrape))
+                        out[label][n][-1].append(
+                            decode_group(servers[n], group, max_new_tokens, n in scraped)
+                        )
         print(f"round {r + 1}/{rounds} done", flush=True)
     return out
 
@@ -150,19 +152,19 @@ def _started(stack: ExitStack, factory, side: Side, warm_prompt: list[int]):
     return server
 
 
-def _speed(decoded: list[Decoded]) -> tuple[int, float]:
-    return sum(len(o) for d in decoded for o in d.outputs.values()), sum(d.seconds for d in decoded)
+def _tok_s(decoded: list[Decoded]) -> float:
+    return sum(len(o) for d in decoded for o in d.outputs.values()) / sum(d.seconds for d in decoded)
 
 
 def summarise(results: dict[str, list[list[Decoded]]]) -> dict[str, dict]:
     """Per side: tok/s, speed-up (pooled and per round), τ, per category, identical outputs."""
     target = results[TARGET]
+    target_flat = [d for rnd in target for d in rnd]
+    t_tok_s = _tok_s(target_flat)
     rows = {}
     for name, rounds in results.items():
         flat = [d for rnd in rounds for d in rnd]
-        tokens, seconds = _speed(flat)
-        t_tokens, t_seconds = _speed([d for rnd in target for d in rnd])
-        tok_s, t_tok_s = tokens / seconds, t_tokens / t_seconds
+        tok_s = _tok_s(flat)
         drafts, accepted = sum(d.drafts for d in flat), sum(d.accepted for d in flat)
         same = sum(
             out == t_out
@@ -170,17 +172,16 @@ def summarise(results: dict[str, list[list[Decoded]]]) -> dict[str, dict]:
             for d, t in zip(rnd, t_rnd)
             for out, t_out in zip(d.outputs.values(), t.outputs.values())
         )
-        per_round = []
-        for rnd, t_rnd in zip(rounds, target):
-            (a, b), (c, e) = _speed(rnd), _speed(t_rnd)
-            per_round.append((a / b) / (c / e))
+        per_round = [_tok_s(rnd) / _tok_s(t_rnd) for rnd, t_rnd in zip(rounds, target)]
         cats = {}
         for cat in dict.fromkeys(d.category for d in flat):
             mine = [d for d in flat if d.category == cat]
-            theirs = [d for rnd in target for d in rnd if d.category == cat]
-            (a, b), (c, e) = _speed(mine), _speed(theirs)
+            theirs = [d for d in target_flat if d.category == cat]
             d_cat, a_cat = sum(d.drafts for d in mine), sum(d.accepted for d in mine)
-            cats[cat] = {"tau": 1 + a_cat / d_cat if d_cat else None, "speedup": (a / b) / (c / e)}
+            cats[cat] = {
+                "tau": 1 + a_cat / d_cat if d_cat else None,
+                "speedup": _tok_s(mine) / _tok_s(theirs),
+            }
         rows[name] = {
             "tok_s": tok_s,
             "speedup": tok_s / t_tok_s,
@@ -206,12 +207,12 @@ def tune_ngram(factory, target: str, names, ids, max_new_tokens: int) -> tuple[d
 
     baseline = [one(None)]
     tried = []
-    for k in NGRAM_K:
-        tried.append({"config": ngram_config(k, NGRAM_LOOKUP), "tok_s": one(ngram_config(k, NGRAM_LOOKUP))})
+    for config in (ngram_config(k, NGRAM_LOOKUP) for k in NGRAM_K):
+        tried.append({"config": config, "tok_s": one(config)})
     baseline.append(one(None))
     best_k = max(tried, key=lambda t: t["tok_s"])["config"]["num_speculative_tokens"]
-    for lookup in NGRAM_LOOKUP_TRIED:
-        tried.append({"config": ngram_config(best_k, lookup), "tok_s": one(ngram_config(best_k, lookup))})
+    for config in (ngram_config(best_k, lookup) for lookup in NGRAM_LOOKUP_TRIED):
+        tried.append({"config": config, "tok_s": one(config)})
     baseline.append(one(None))
     target_tok_s = sum(baseline) / len(baseline)
     for t in tried:
@@ -235,7 +236,7 @@ def settings_text(config: dict | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("method", "model"))
 
 
-def markdown(summary: dict, sides: list[Side], passes: dict, unavailable: dict[str, str]) -> list[str]:
+def markdown(summary: dict, sides: list[Side], unavailable: dict[str, str]) -> list[str]:
     lines = []
     for label, rows in summary.items():
         cats = list(next(iter(rows.values()))["per_category"])
@@ -299,7 +300,10 @@ def main() -> None:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     drafters = args.drafter or trained_drafters(args.out)
-    plan = Plan.load(str(args.recipe.resolve()), ["evaluation.prompt_set=draftflow-eval"])
+    plan = Plan.load(
+        str(args.recipe.resolve()),
+        ["evaluation.prompt_set=draftflow-eval", f"evaluation.prompts_per_category={args.per_category}"],
+    )
     launch = plan.recipe.vllm.launch
     if launch is None:
         raise SystemExit(f"{args.recipe}: the race starts its own servers: the recipe needs vllm.launch")
@@ -310,11 +314,7 @@ def main() -> None:
             raise SystemExit(f"--drafter {name}: drafts for {verifier}, not the recipe's target {target}")
     encoder = load_chat_encoder(plan.recipe.target)
     max_new = plan.recipe.evaluation.max_new_tokens
-    measured = Plan.load(
-        str(args.recipe.resolve()),
-        ["evaluation.prompt_set=draftflow-eval", f"evaluation.prompts_per_category={args.per_category}"],
-    )
-    names, ids, _, categories = load_prompt_set(measured, encoder, max_total_tokens=launch.max_model_len)
+    names, ids, _, categories = load_prompt_set(plan, encoder, max_total_tokens=launch.max_model_len)
     tune = [(p.prompt_id, encoder.prompt_ids(p.messages)) for p in _tuning_prompts()]
     factory = LaunchServerFactory(launch, log_dir=args.out)
     started = time.monotonic()
@@ -344,7 +344,7 @@ def main() -> None:
     side_factory = LaunchServerFactory(launch, log_dir=args.out, side_by_side=True)
     decoded = race(side_factory, sides, passes, max_new, args.rounds)
     summary = {label: summarise(results) for label, results in decoded.items()}
-    lines = markdown(summary, sides, passes, unavailable)
+    lines = markdown(summary, sides, unavailable)
     report = {
         "recipe": str(args.recipe),
         "prompts": len(names),

@@ -58,9 +58,7 @@ def test_the_table_names_every_side_and_says_why_one_did_not_run(race):
             "n-gram", "t", race.ngram_config(3, (2, 4)), race.settings_text(race.ngram_config(3, (2, 4)))
         ),
     ]
-    lines = race.markdown(
-        {"batch 1": race.summarise(results)}, sides, {}, {"suffix": "arctic_inference missing"}
-    )
+    lines = race.markdown({"batch 1": race.summarise(results)}, sides, {"suffix": "arctic_inference missing"})
     text = "\n".join(lines)
     assert (
         "| n-gram | num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4 | 2.00 | 8.0 | **2.00x**"
